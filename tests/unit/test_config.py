@@ -1,0 +1,335 @@
+"""Config loading: precedence, CLI forms, extends, resolved-config round trip, and every error."""
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trainer.config import JobConfig, help_text, load_config, parse_args, to_toml
+from trainer.config.fields import section_fields
+from trainer.config.reference import reference_markdown
+from trainer.config.render import walk_sections
+from trainer.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_schema_defaults():
+    assert load_config() == JobConfig()
+
+
+def test_precedence_defaults_then_toml_then_cli(tmp_path):
+    cfg = write(tmp_path, "job.toml", "[training]\nsteps = 7\nseq_len = 64\n")
+    config = load_config(cfg, ["--training.steps", "9"])
+    assert config.training.steps == 9  # CLI beats TOML
+    assert config.training.seq_len == 64  # TOML beats default
+    assert config.training.local_batch_size == JobConfig().training.local_batch_size
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--training.steps", "5"], 5),
+        (["--training.steps=5"], 5),
+        (["--training.steps", "5", "--training.steps", "6"], 6),  # last wins
+    ],
+)
+def test_cli_value_forms(argv, expected):
+    assert load_config(overrides=argv).training.steps == expected
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--debug.deterministic"], True),
+        (["--debug.deterministic", "true"], True),
+        (["--debug.deterministic=true"], True),
+        (["--debug.deterministic=false"], False),
+        (["--debug.deterministic", "--debug.no-deterministic"], False),
+        (["--debug.no_deterministic"], False),
+        (["--debug.deterministic=yes"], True),
+    ],
+)
+def test_cli_boolean_forms(argv, expected):
+    assert load_config(overrides=argv).debug.deterministic is expected
+
+
+def test_bare_boolean_does_not_swallow_next_flag():
+    config = load_config(overrides=["--debug.deterministic", "--training.steps", "3"])
+    assert config.debug.deterministic and config.training.steps == 3
+
+
+def test_hyphens_and_underscores_are_interchangeable():
+    a = load_config(overrides=["--training.local-batch-size", "4"])
+    b = load_config(overrides=["--training.local_batch_size", "4"])
+    assert a == b and a.training.local_batch_size == 4
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("layers.1,layers.3", ["layers.1", "layers.3"]),
+        ('["layers.1", "layers.3"]', ["layers.1", "layers.3"]),
+        ("", []),
+        ("layers.2", ["layers.2"]),
+    ],
+)
+def test_cli_list_forms(value, expected):
+    config = load_config(overrides=["--parallelism.pipeline_parallel_split_points", value])
+    assert config.parallelism.pipeline_parallel_split_points == expected
+
+
+def test_nested_table_and_free_table():
+    config = load_config(
+        overrides=["--training.dataloader.text_column", "content", "--model.overrides.n_layers", "3"]
+    )
+    assert config.training.dataloader.text_column == "content"
+    assert config.model.overrides == {"n_layers": 3}
+
+
+def test_nested_table_in_toml(tmp_path):
+    cfg = write(tmp_path, "a.toml", '[training.dataloader]\nsplit = "validation"\n[model.overrides]\ndim = 64\n')
+    config = load_config(cfg)
+    assert config.training.dataloader.split == "validation"
+    assert config.model.overrides == {"dim": 64}
+
+
+def test_choices_are_case_insensitive_and_canonicalised():
+    assert load_config(overrides=["--optimizer.name", "adamw"]).optimizer.name == "AdamW"
+
+
+def test_int_accepted_for_float_and_optional_unset():
+    config = load_config(overrides=["--optimizer.lr", "1", "--lr_scheduler.decay_ratio", "none"])
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+    assert config.lr_scheduler.decay_ratio is None
+
+
+def test_extends_chain_relative_to_file(tmp_path):
+    (tmp_path / "base").mkdir()
+    write(tmp_path / "base", "root.toml", '[training]\nsteps = 3\nseq_len = 32\n[model.overrides]\ndim = 64\n')
+    write(tmp_path / "base", "mid.toml", 'extends = "root.toml"\n[training]\nseq_len = 48\n')
+    leaf = write(tmp_path, "leaf.toml", 'extends = "base/mid.toml"\n[model.overrides]\nn_layers = 2\n')
+    config = load_config(leaf)
+    assert config.training.steps == 3 and config.training.seq_len == 48
+    assert config.model.overrides == {"dim": 64, "n_layers": 2}  # tables merge entry by entry
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(
+        overrides=[
+            "--training.steps", "4", "--model.overrides.n_layers", "2", "--lr_scheduler.decay_ratio", "0.5",
+            "--parallelism.pipeline_parallel_split_points", "layers.1", "--job.description", 'quote " and \\ slash',
+        ]
+    )
+    path = write(tmp_path, "resolved.toml", to_toml(config))
+    tomllib.loads(path.read_text())  # valid TOML
+    reloaded = load_config(path)
+    assert reloaded.job.config_file == str(path)  # the only difference: which file it came from
+    assert dataclasses.replace(reloaded, job=config.job) == config
+
+
+def test_every_key_is_in_help_and_reference():
+    text, ref = help_text(), reference_markdown()
+    for path, fields in walk_sections(JobConfig):
+        for name, spec in fields.items():
+            assert "--" + ".".join(path + (name,)) in text
+            assert f"`{name}`" in ref
+            assert spec.doc, f"{path}.{name} has no doc"
+
+
+def test_generated_reference_is_in_sync():
+    assert (REPO / "docs" / "config_reference.md").read_text() == reference_markdown(), (
+        "docs/config_reference.md is stale: run python -m trainer.config.reference > docs/config_reference.md"
+    )
+
+
+def test_help_ignores_broken_arguments():
+    assert parse_args(["--nonsense", "--help"]).action == "help"
+
+
+def test_shipped_configs_load():
+    configs = sorted((REPO / "configs").glob("*.toml"))
+    assert configs
+    for path in configs:
+        load_config(path)
+
+
+# (argv or TOML text, words the one-line message must contain)
+CLI_ERRORS = [
+    (["--training.stpes", "5"], ["[training] stpes", "unknown key", "did you mean 'steps'"]),
+    (["--traning.steps", "5"], ["[traning]", "unknown section", "did you mean 'training'"]),
+    (["--steps", "5"], ["[steps]", "[training] steps"]),
+    (["--training.steps", "ten"], ["[training] steps", "'ten'", "integer"]),
+    (["--training.steps", "0"], ["[training] steps", "> 0"]),
+    (["--training.steps", "1.5"], ["[training] steps", "integer"]),
+    (["--training.steps"], ["--training.steps", "missing value"]),
+    (["--training.steps", "--debug.seed", "1"], ["--training.steps", "missing value"]),
+    (["--optimizer.name", "sgd"], ["[optimizer] name", "'sgd'", "'AdamW'"]),
+    (["--optimizer.lr", "-1"], ["[optimizer] lr", ">= 0"]),
+    (["--optimizer.lr", "nan"], ["[optimizer] lr", "finite"]),
+    (["--optimizer.beta1", "1.5"], ["[optimizer] beta1", "<= 1"]),
+    (["--debug.deterministic=maybe"], ["[debug] deterministic", "true or false"]),
+    (["--debug.no-deterministic=true"], ["takes no value"]),
+    (["--parallelism.data_parallel_shard_degree", "0"], ["data_parallel_shard_degree", "or -1"]),
+    (["--parallelism.tensor_parallel_degree", "0"], ["tensor_parallel_degree", ">= 1"]),
+    (["--training.dataloader"], ["names a section"]),
+    (["--training.steps.x", "1"], ["is a key, not a section"]),
+    (["--model.overrides", "3"], ["set one entry at a time"]),
+    (["--model.overrides.n_layer", "3"], ["[model.overrides] n_layer", "did you mean 'n_layers'"]),
+    (["--model.overrides.n_layers", "two"], ["[model.overrides] n_layers", "'two'"]),
+    (["--model.flavor", "9B"], ["[model] flavor", "'9B'"]),
+    (["--model.name", "llama2"], ["[model] name", "llama3"]),
+    (["--model.modules", "no_such_module_xyz"], ["[model] modules", "no_such_module_xyz"]),
+    (["steps=5"], ["unexpected argument"]),
+    (["--"], ["unexpected argument"]),
+    (["--.x", "1"], ["malformed option"]),
+    (["--job.config_file", "/nonexistent/job.toml"], ["config_file", "not found"]),
+    (["--training.dataset_path", "/nonexistent/data.txt"], ["[training] dataset_path", "not found"]),
+    (["--model.tokenizer_path", "/nonexistent/tok.model"], ["[model] tokenizer_path", "not found"]),
+    (["--lr_scheduler.warmup_steps", "50"], ["[lr_scheduler] warmup_steps=50", "[training] steps=10"]),
+    (["--lr_scheduler.warmup_steps", "5", "--lr_scheduler.decay_ratio", "0.9"], ["decay_ratio"]),
+    (["--training.global_batch_size", "12", "--parallelism.data_parallel_shard_degree", "1"],
+     ["global_batch_size=12", "local_batch_size 8"]),
+    (["--parallelism.tensor_parallel_degree", "3", "--training.seq_len", "96"], ["tensor_parallel_degree=3", "n_heads=16"]),
+    (["--parallelism.tensor_parallel_degree", "16"], ["tensor_parallel_degree=16", "n_kv_heads=8"]),
+    (["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "31", "--model.overrides.n_heads", "2",
+      "--model.overrides.n_kv_heads", "2"], ["seq_len=31", "tensor_parallel_degree=2"]),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
+     ["selective_ac_option", "'x'"]),
+    (["--parallelism.context_parallel_degree", "2"], ["context_parallel_degree", "not supported"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", CLI_ERRORS, ids=[" ".join(a) for a, _ in CLI_ERRORS])
+def test_cli_errors_name_the_key(argv, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=argv)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+
+
+TOML_ERRORS = [
+    ("[training]\nsteps = \n", ["malformed TOML", "line 2"]),
+    ("[training\nsteps = 3\n", ["malformed TOML"]),
+    ("[trainig]\nsteps = 3\n", ["[trainig]", "did you mean 'training'"]),
+    ("[training]\nstep = 3\n", ["[training] step", "did you mean 'steps'"]),
+    ('[training]\nsteps = "ten"\n', ["[training] steps", "'ten'", "string", "integer"]),
+    ("[training]\nsteps = 3.0\n", ["[training] steps", "float", "integer"]),
+    ("[training]\nsteps = true\n", ["[training] steps", "boolean"]),
+    ("[debug]\ndeterministic = 1\n", ["[debug] deterministic", "true or false"]),
+    ('[optimizer]\nlr = "1e-3"\n', ["[optimizer] lr", "a number"]),
+    ('[optimizer]\nimplementation = "fast"\n', ["[optimizer] implementation", "'fused'"]),
+    ("[parallelism]\npipeline_parallel_split_points = [1, 2]\n", ["pipeline_parallel_split_points", "str"]),
+    ('[parallelism]\npipeline_parallel_split_points = "layers.1"\n', ["pipeline_parallel_split_points", "list"]),
+    ("training = 3\n", ["[training]", "must be a table"]),
+    ("[training]\ndataloader = 3\n", ["[training] dataloader", "must be a table"]),
+    ("[model.overrides]\ndim = [1]\n", ["[model] overrides", "single number"]),
+    ('[job]\nconfig_file = "x.toml"\n', ["config_file", "command line"]),
+    ("extends = 3\n", ["extends", "file name"]),
+    ('extends = "missing.toml"\n', ["not found", "missing.toml"]),
+    ("[model]\ntie_embeddings = \"yes\"\n", ["[model] tie_embeddings"]),
+]
+
+
+@pytest.mark.parametrize("text, words", TOML_ERRORS, ids=[t.replace("\n", " ") for t, _ in TOML_ERRORS])
+def test_toml_errors_name_the_key_and_file(tmp_path, text, words):
+    path = write(tmp_path, "bad.toml", text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "\n" not in message.strip()
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+    if "extends" not in text and "malformed" not in words[0]:
+        assert "bad.toml" in message  # where the value came from
+
+
+def test_extends_cycle(tmp_path):
+    write(tmp_path, "a.toml", 'extends = "b.toml"\n')
+    write(tmp_path, "b.toml", 'extends = "a.toml"\n')
+    with pytest.raises(ConfigError, match="cycle.*a.toml.*b.toml.*a.toml"):
+        load_config(tmp_path / "a.toml")
+
+
+def test_self_extends_cycle(tmp_path):
+    write(tmp_path, "a.toml", 'extends = "a.toml"\n')
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.toml")
+
+
+def test_world_size_checks_name_the_arithmetic():
+    from trainer.config import validate_config
+
+    config = load_config(
+        overrides=["--parallelism.data_parallel_shard_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                   "--parallelism.tensor_parallel_degree", "4"]
+    )
+    with pytest.raises(ConfigError, match=r"dp_replicate 2 \* dp_shard 2 \* cp 1 \* tp 4 \* pp 1 = 16 != WORLD_SIZE 8"):
+        validate_config(config, world_size=8)
+    with pytest.raises(ConfigError, match="does not divide WORLD_SIZE 6"):
+        validate_config(load_config(overrides=["--parallelism.tensor_parallel_degree", "4"]), world_size=6)
+    big = load_config(overrides=["--training.global_batch_size", "24"])
+    with pytest.raises(ConfigError, match="local_batch_size 8 \\* data-parallel degree 2 = 16"):
+        validate_config(big, world_size=2)
+
+
+# -- fuzzing: a few hundred malformed inputs, each must give a ConfigError (never a crash) ---------
+
+ALL_KEYS = [
+    ".".join(path + (name,)) for path, fields in walk_sections(JobConfig) for name in fields
+]
+JUNK = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["-1", "0", "1e999", "nan", "[", "[1,", '["a", 1]', "true", "{}", "1_0", "0x10", "", " "]),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    key=st.one_of(st.sampled_from(ALL_KEYS), st.text(min_size=1, max_size=20)),
+    value=JUNK,
+    form=st.sampled_from(["space", "equals", "bare"]),
+)
+def test_fuzz_cli_never_crashes(key, value, form):
+    argv = {"space": [f"--{key}", value], "equals": [f"--{key}={value}"], "bare": [f"--{key}"]}[form]
+    try:
+        load_config(overrides=argv)
+    except ConfigError as e:
+        assert str(e) and "\n" not in str(e).strip()
+
+
+TOML_PIECES = st.sampled_from(
+    ["[training]", "[model]", "[parallelism]", "[training.dataloader]", "[model.overrides]", "[nope]", "steps = 3",
+     'steps = "x"', "lr = -1", "seq_len = 0", "name = 3", "x = [", "= 1", "dim = 64", "flavor = 'z'",
+     "local_batch_size = 1.5", "enable = true", "tensor_parallel_degree = 5", "[[training]]", "a.b = 1", '"', ""]
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(TOML_PIECES, max_size=6))
+def test_fuzz_toml_never_crashes(tmp_path, lines):
+    path = tmp_path / "fuzz.toml"
+    path.write_text("\n".join(lines) + "\n")
+    try:
+        load_config(path)
+    except ConfigError as e:
+        assert str(e)
+
+
+def test_every_field_has_a_default_and_doc():
+    for path, fields in walk_sections(JobConfig):
+        for name, spec in fields.items():
+            assert spec.doc, ".".join(path + (name,))
+    for f in dataclasses.fields(JobConfig):
+        assert section_fields(f.type if isinstance(f.type, type) else type(getattr(JobConfig(), f.name)))

@@ -1,0 +1,254 @@
+"""The job schema: one frozen, keyword-only dataclass per TOML section.
+
+The string literal under each field is its documentation: ``--help``, the generated
+reference in ``docs/config_reference.md`` and error messages all read it from here.
+``Annotated[..., Range(...)]`` declares the accepted range of a number.
+"""
+
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+
+@dataclass(frozen=True)
+class Range:
+    """Accepted numeric range of a field; ``also`` lists extra accepted sentinel values."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    also: tuple = ()
+
+    def accepts(self, value: float) -> bool:
+        if value in self.also:
+            return True
+        if self.ge is not None and value < self.ge:
+            return False
+        if self.gt is not None and value <= self.gt:
+            return False
+        return self.le is None or value <= self.le
+
+    def describe(self) -> str:
+        parts = []
+        if self.ge is not None:
+            parts.append(f">= {self.ge:g}")
+        if self.gt is not None:
+            parts.append(f"> {self.gt:g}")
+        if self.le is not None:
+            parts.append(f"<= {self.le:g}")
+        text = " and ".join(parts)
+        for v in self.also:
+            text += f" or {v}"
+        return text
+
+
+Positive = Range(gt=0)
+NonNegative = Range(ge=0)
+Degree = Range(ge=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    config_file: str = ""
+    """TOML job file this config was loaded from (set with --job.config_file or CONFIG_FILE)."""
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: resolved config, TensorBoard events, checkpoints."""
+    description: str = "debug model on the bundled Python documentation"
+    """Free-text description of the job, printed at start-up."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    name: str = "llama3"
+    """Model family, as registered in trainer.models (built-in: llama3)."""
+    flavor: str = "debugmodel"
+    """Size preset of the family (llama3: debugmodel, 1B, 3B, 8B, 70B, 405B)."""
+    tokenizer_path: str = ""
+    """tiktoken BPE file (e.g. Llama 3's tokenizer.model); empty = bundled cl100k_base."""
+    tokenizer_vocab_size: Annotated[int, NonNegative] = 0
+    """Keep only the first N BPE ranks of the tokenizer file; 0 = as many as the model vocab holds."""
+    tie_embeddings: bool = False
+    """Share one weight between the input embedding and the output projection."""
+    modules: list[str] = field(default_factory=list)
+    """Python modules to import before the model is looked up (to register your own families)."""
+    overrides: dict = field(default_factory=dict)
+    """Flavor fields to override, e.g. {n_layers = 4, dim = 128}; names are checked against the family."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from torch.optim."""
+    lr: Annotated[float, NonNegative] = 8e-4
+    """Peak learning rate."""
+    beta1: Annotated[float, Range(ge=0, le=1)] = 0.9
+    """Adam beta1 (first-moment decay)."""
+    beta2: Annotated[float, Range(ge=0, le=1)] = 0.95
+    """Adam beta2 (second-moment decay)."""
+    eps: Annotated[float, Positive] = 1e-8
+    """Adam epsilon."""
+    weight_decay: Annotated[float, NonNegative] = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (not norms)."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Optimizer kernel: for-loop (reference), foreach (multi-tensor) or fused (single kernel)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRScheduler:
+    warmup_steps: Annotated[int, NonNegative] = 2
+    """Steps of linear warm-up from lr/warmup_steps to lr."""
+    decay_ratio: Annotated[float, Range(ge=0, le=1)] | None = None
+    """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset = decay right after warm-up."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay from lr to lr * min_lr_factor."""
+    min_lr_factor: Annotated[float, Range(ge=0, le=1)] = 0.0
+    """Floor of the decay, as a fraction of lr."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataLoader:
+    text_column: str = "text"
+    """Column of the dataset that holds the document text."""
+    split: str = "train"
+    """Dataset split to read (hub datasets and local files)."""
+    subset: str = ""
+    """Hugging Face dataset configuration name (e.g. 'en' for allenai/c4); empty = none."""
+    streaming: bool = True
+    """Stream hub datasets instead of downloading them whole (local files are always read directly)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    dataset: str = "python_docs"
+    """Dataset: 'python_docs' (bundled, offline) or a Hugging Face hub name; ignored when dataset_path is set."""
+    dataset_path: str = ""
+    """Local .txt/.json/.jsonl/.parquet file, or a folder of them; overrides dataset."""
+    local_batch_size: Annotated[int, Positive] = 8
+    """Sequences per forward/backward on one data-parallel rank."""
+    global_batch_size: Annotated[int, Range(gt=0, also=(-1,))] = -1
+    """Sequences per optimizer step over all ranks; -1 = local_batch_size * data-parallel degree (no accumulation)."""
+    seq_len: Annotated[int, Positive] = 256
+    """Tokens per training sequence."""
+    max_norm: Annotated[float, NonNegative] = 1.0
+    """Clip the global gradient norm to this value; 0 = no clipping (the norm is still logged)."""
+    steps: Annotated[int, Positive] = 10
+    """Optimizer steps to train for."""
+    mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype: auto = bfloat16 on accelerators, float32 on CPU."""
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of data-parallel gradient reduction."""
+    gc_freq: Annotated[int, Positive] = 50
+    """Run Python's garbage collector every N steps (automatic collection is disabled)."""
+    dataloader: DataLoader = field(default_factory=DataLoader)
+    """Dataset reading options."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallelism:
+    data_parallel_replicate_degree: Annotated[int, Degree] = 1
+    """Data-parallel replicas (DDP, or the replicate dim of HSDP)."""
+    data_parallel_shard_degree: Annotated[int, Range(ge=1, also=(-1,))] = -1
+    """FSDP shards per replica; -1 = all ranks left over by the other degrees."""
+    tensor_parallel_degree: Annotated[int, Degree] = 1
+    """Tensor-parallel ranks per model chunk."""
+    enable_sequence_parallel: bool = True
+    """With tensor parallelism, shard norms and residuals along the sequence (sequence parallel)."""
+    disable_loss_parallel: bool = False
+    """With tensor parallelism, gather the full-vocabulary logits instead of computing the loss on shards."""
+    context_parallel_degree: Annotated[int, Degree] = 1
+    """Context-parallel ranks (sequence split across ranks in attention)."""
+    pipeline_parallel_degree: Annotated[int, Degree] = 1
+    """Pipeline-parallel ranks."""
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Module names that start a new pipeline stage, e.g. ["layers.4"]; empty = generated."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
+    pipeline_parallel_schedule_csv: str = ""
+    """CSV file defining a custom pipeline schedule; overrides pipeline_parallel_schedule."""
+    pipeline_parallel_microbatch_size: Annotated[int, Positive] = 1
+    """Sequences per pipeline microbatch."""
+    pipeline_parallel_layers_per_stage: Annotated[int, Positive] | None = None
+    """Transformer layers per (virtual) stage; derives the number of stages per rank."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered FSDP parameters after forward: default = yes except for the last block."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints and resume from them."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to the dump folder."""
+    interval: Annotated[int, Positive] = 500
+    """Save every N steps (and at the last step)."""
+    keep_latest_k: Annotated[int, NonNegative] = 10
+    """Keep only the newest K checkpoints; 0 = keep all."""
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """Write checkpoints synchronously or in the background."""
+    load_step: Annotated[int, Range(ge=0, also=(-1,))] = -1
+    """Resume from this step; -1 = the latest complete checkpoint."""
+    initial_load_path: str = ""
+    """Checkpoint to start from when the run folder has none (DCP folder or safetensors)."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of the state not to load, e.g. ["optimizer", "dataloader"]."""
+    last_save_model_only: bool = True
+    """Save only the model weights at the last step."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of a model-only export."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none, every block (full), or selective."""
+    selective_ac_option: str = "2"
+    """For selective: an integer N (checkpoint every N-th block) or 'op' (per-operator policy)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compile:
+    enable: bool = False
+    """Compile each transformer block with torch.compile."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Metrics:
+    log_freq: Annotated[int, Positive] = 1
+    """Log metrics every N steps."""
+    enable_tensorboard: bool = True
+    """Write TensorBoard event files."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to the dump folder."""
+    peak_flops: Annotated[float, NonNegative] = 0.0
+    """Peak FLOP/s of one device for MFU; 0 = look up known accelerators (none on CPU)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Comm:
+    init_timeout_seconds: Annotated[int, Positive] = 300
+    """Timeout for process-group set-up and the first collectives, in seconds."""
+    train_timeout_seconds: Annotated[int, Positive] = 100
+    """Timeout for collectives once training runs, in seconds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Debug:
+    seed: Annotated[int, NonNegative] = 0
+    """Seed for weight init and any randomness in training."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower; for reproducibility and parity tests)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)

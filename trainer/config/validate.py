@@ -1,0 +1,126 @@
+"""Cross-field checks of a JobConfig, run before anything expensive happens.
+
+``validate_config(config)`` runs at load time (no process group needed). Called again with
+the world size, it also resolves the parallel degrees; every rank runs the same checks on
+the same inputs, so on a bad config every rank fails with the same message and none hangs.
+"""
+
+from pathlib import Path
+
+from trainer.config.schema import JobConfig
+from trainer.errors import ConfigError
+from trainer.parallel.dims import ParallelDims
+
+
+def validate_config(config: JobConfig, world_size: int | None = None) -> ParallelDims | None:
+    """Raise ConfigError naming the key to change; returns the resolved ParallelDims if world_size is given."""
+    _check_schedule(config)
+    _check_parallelism(config)
+    _check_files(config)
+    _check_model(config)
+    _check_supported(config)
+    dims = None
+    if world_size is not None:
+        dims = ParallelDims.from_config(config.parallelism, world_size)
+        _check_batch(config, dims.dp)
+    else:
+        p = config.parallelism
+        if p.data_parallel_shard_degree != -1:
+            _check_batch(config, p.data_parallel_replicate_degree * p.data_parallel_shard_degree)
+    return dims
+
+
+def _check_batch(config: JobConfig, dp: int) -> None:
+    t = config.training
+    if t.global_batch_size == -1:
+        return
+    per_step = t.local_batch_size * dp
+    if t.global_batch_size % per_step != 0:
+        raise ConfigError(
+            f"[training] global_batch_size={t.global_batch_size} must be a multiple of local_batch_size"
+            f" {t.local_batch_size} * data-parallel degree {dp} = {per_step}"
+        )
+
+
+def decay_steps(lr_scheduler, steps: int) -> int:
+    """Number of steps in the decay phase of the LR schedule."""
+    if lr_scheduler.decay_ratio is None:
+        return steps - lr_scheduler.warmup_steps
+    return round(lr_scheduler.decay_ratio * steps)
+
+
+def _check_schedule(config: JobConfig) -> None:
+    lr, steps = config.lr_scheduler, config.training.steps
+    if lr.warmup_steps > steps:
+        raise ConfigError(f"[lr_scheduler] warmup_steps={lr.warmup_steps} exceeds [training] steps={steps}")
+    decay = decay_steps(lr, steps)
+    if lr.warmup_steps + decay > steps:
+        raise ConfigError(
+            f"[lr_scheduler] warmup_steps {lr.warmup_steps} + decay steps {decay} (decay_ratio {lr.decay_ratio}"
+            f" * steps {steps}) exceed [training] steps={steps}; lower decay_ratio or warmup_steps"
+        )
+
+
+def _check_parallelism(config: JobConfig) -> None:
+    p, t = config.parallelism, config.training
+    if p.tensor_parallel_degree > 1 and p.enable_sequence_parallel and t.seq_len % p.tensor_parallel_degree:
+        raise ConfigError(
+            f"[training] seq_len={t.seq_len} must be divisible by [parallelism] tensor_parallel_degree="
+            f"{p.tensor_parallel_degree} for sequence parallelism (or set enable_sequence_parallel = false)"
+        )
+    if p.context_parallel_degree > 1 and t.seq_len % (2 * p.context_parallel_degree):
+        raise ConfigError(
+            f"[training] seq_len={t.seq_len} must be divisible by 2 * [parallelism] context_parallel_degree="
+            f"{p.context_parallel_degree}"
+        )
+    if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_microbatch_size={p.pipeline_parallel_microbatch_size} must divide"
+            f" [training] local_batch_size={t.local_batch_size}"
+        )
+    ac = config.activation_checkpoint
+    option = ac.selective_ac_option
+    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            f"[activation_checkpoint] selective_ac_option: got {option!r}, expected 'op' or a positive integer"
+        )
+
+
+def _check_files(config: JobConfig) -> None:
+    for key, path in (
+        ("[training] dataset_path", config.training.dataset_path),
+        ("[model] tokenizer_path", config.model.tokenizer_path),
+        ("[parallelism] pipeline_parallel_schedule_csv", config.parallelism.pipeline_parallel_schedule_csv),
+    ):
+        if path and not Path(path).exists():
+            raise ConfigError(f"{key}: file not found: {path}")
+
+
+def _check_model(config: JobConfig) -> None:
+    from trainer.models import get_model_spec, import_model_modules, resolve_model_args
+
+    import_model_modules(config.model.modules)
+    spec = get_model_spec(config.model.name)
+    args = resolve_model_args(spec, config.model)
+    tp = config.parallelism.tensor_parallel_degree
+    heads = {"n_heads": getattr(args, "n_heads", None), "n_kv_heads": getattr(args, "num_kv_heads", None)}
+    for field, count in heads.items():
+        if tp > 1 and count is not None and count % tp:
+            raise ConfigError(
+                f"[parallelism] tensor_parallel_degree={tp} must divide model {field}={count}"
+                f" ({config.model.name} {config.model.flavor})"
+            )
+
+
+# Keys that exist in the schema (so configs written for later versions parse) but whose feature
+# has not landed yet. Each raises rather than being silently ignored.
+def _check_supported(config: JobConfig) -> None:
+    p = config.parallelism
+    unsupported = [
+        (p.context_parallel_degree > 1, "[parallelism] context_parallel_degree > 1"),
+        (p.pipeline_parallel_degree > 1, "[parallelism] pipeline_parallel_degree > 1"),
+        (config.checkpoint.enable, "[checkpoint] enable = true"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ConfigError(f"{what}: not supported by this version of the trainer yet")

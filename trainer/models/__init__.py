@@ -1,0 +1,5 @@
+"""Model families and their registry."""
+
+from trainer.models.registry import ModelSpec, get_model_spec, import_model_modules, register_model, resolve_model_args
+
+__all__ = ["ModelSpec", "get_model_spec", "import_model_modules", "register_model", "resolve_model_args"]

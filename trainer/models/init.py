@@ -1,0 +1,52 @@
+"""Deterministic, layout-independent parameter initialisation.
+
+Each parameter is drawn in full from a generator seeded by (seed, parameter name), then the
+rank keeps only its own shard. So a parameter gets the same values whether the model runs
+in one process, is split into pipeline chunks, or is sharded by FSDP or tensor parallelism.
+"""
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+InitFn = Callable[[torch.Tensor, torch.Generator], None]
+
+
+def seed_for(seed: int, name: str) -> int:
+    """A stable 63-bit seed for one parameter (Python's hash() is salted per process)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_param_(param: torch.Tensor, name: str, seed: int, fn: InitFn) -> None:
+    """Fill ``param`` (plain or DTensor) with ``fn`` applied to the full tensor."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    gen = torch.Generator(device=local.device).manual_seed(seed_for(seed, name))
+    full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
+    fn(full, gen)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank computed the same full tensor, so just slice, no comms.
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local.copy_(full)
+
+
+def normal_(std: float, *, truncate: float | None = None) -> InitFn:
+    """Normal(0, std), optionally truncated at +-truncate*std."""
+
+    def fn(t: torch.Tensor, gen: torch.Generator) -> None:
+        if truncate is None:
+            t.normal_(0.0, std, generator=gen)
+        else:
+            torch.nn.init.trunc_normal_(t, 0.0, std, -truncate * std, truncate * std, generator=gen)
+
+    return fn
+
+
+def constant_(value: float) -> InitFn:
+    def fn(t: torch.Tensor, gen: torch.Generator) -> None:
+        t.fill_(value)
+
+    return fn

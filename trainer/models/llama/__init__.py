@@ -1,0 +1,16 @@
+"""The built-in Llama 3 family, registered as ``[model] name = "llama3"``."""
+
+from trainer.models.llama.args import FLAVORS, LlamaArgs
+from trainer.models.llama.model import Transformer, llama_flops_per_token
+from trainer.models.registry import ModelSpec, register_model
+
+register_model(
+    ModelSpec(
+        name="llama3",
+        model_cls=Transformer,
+        flavors=FLAVORS,
+        flops_per_token=llama_flops_per_token,
+    )
+)
+
+__all__ = ["LlamaArgs", "Transformer"]

@@ -1,0 +1,141 @@
+"""A Llama-3-style decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+The model knows nothing about parallelism. ``tok_embeddings``, ``norm`` and ``output`` may be
+set to None and entries of ``layers`` deleted: that is how a pipeline chunk is made, and
+parameter names stay those of the whole model.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.init import InitFn, constant_, init_param_, normal_
+from trainer.models.llama.args import LlamaArgs
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """(max_seq_len, head_dim // 2, 2) table of (cos, sin) for each position and frequency."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of ``x`` (batch, seq, heads, head_dim) by their position's angle."""
+    seq = x.shape[1]
+    x_pairs = x.float().unflatten(-1, (-1, 2))  # (batch, seq, heads, head_dim/2, 2)
+    cos = table[:seq, None, :, 0]  # (seq, 1, head_dim/2)
+    sin = table[:seq, None, :, 1]
+    x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab); chunks pass hidden states (batch, seq, dim)."""
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def init_fn(self, name: str) -> InitFn:
+        """Initialiser of the parameter ``name`` (a global name, valid in any chunk)."""
+        args = self.args
+        parts = name.split(".")
+        if name.endswith("norm.weight"):
+            return constant_(1.0)
+        if parts[0] == "tok_embeddings":
+            # Tied: the same weight is the output projection, so give it the output's scale.
+            return normal_(args.dim**-0.5, truncate=3.0) if args.tie_embeddings else normal_(1.0)
+        if parts[0] == "output":
+            return normal_(args.dim**-0.5, truncate=3.0)
+        # Depth-scaled init for the projections that write into the residual stream.
+        layer_id = int(parts[1])
+        if parts[-2] in ("wo", "w2", "w3"):
+            return normal_(0.02 / math.sqrt(2 * (layer_id + 1)))
+        return normal_(0.02)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter this (possibly partial, possibly sharded) model holds."""
+        for name, param in self.named_parameters():
+            init_param_(param, name, seed, self.init_fn(name))
+        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
+
+
+def llama_flops_per_token(args: LlamaArgs, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per weight of every matmul plus causal-free attention scores.
+
+    The embedding lookup is not a matmul; the output projection is. Attention adds
+    12 * n_layers * dim * seq_len (QK^T and AV, forward and backward), as in the PaLM paper.
+    """
+    kv_dim = args.num_kv_heads * args.head_dim
+    attn = args.dim * (2 * args.dim + 2 * kv_dim)
+    mlp = 3 * args.dim * args.ffn_hidden_dim
+    matmul_params = args.n_layers * (attn + mlp) + args.dim * args.vocab_size
+    return 6 * matmul_params + 12 * args.n_layers * args.dim * seq_len

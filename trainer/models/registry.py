@@ -1,0 +1,106 @@
+"""Registry of model families: ``[model] name`` picks one, ``[model] flavor`` one of its presets.
+
+A family is a ``ModelSpec``. Register your own from any importable module and name that
+module in ``[model] modules``; see docs/models.md.
+"""
+
+import dataclasses
+import difflib
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the trainer needs to know about one model family."""
+
+    name: str
+    model_cls: type[nn.Module]
+    """Called as ``model_cls(args)``; must hold its repeated blocks in a ModuleDict ``layers_attr``."""
+    flavors: dict[str, Any]
+    """Preset name -> frozen args dataclass instance."""
+    flops_per_token: Callable[[Any, int], float]
+    """(args, seq_len) -> training FLOPs per token (forward + backward)."""
+    build_tp_plan: Callable[..., dict] | None = None
+    """Returns {module name: ParallelStyle} for one block and for the top level; None = no TP."""
+    layers_attr: str = "layers"
+    """Name of the ModuleDict of repeated blocks; pipeline stages are split between its entries."""
+    pre_layers: tuple[str, ...] = ("tok_embeddings",)
+    """Top-level modules that run before the blocks (kept by the first pipeline stage)."""
+    post_layers: tuple[str, ...] = ("norm", "output")
+    """Top-level modules that run after the blocks (kept by the last pipeline stage)."""
+    extra: dict = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    """Add a family; re-registering the same name replaces it (useful in notebooks)."""
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def import_model_modules(modules: list[str]) -> None:
+    """Import the user modules named in ``[model] modules`` so they can register families."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise ConfigError(f"[model] modules: cannot import {name!r}: {e}") from None
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    import trainer.models.llama  # noqa: F401  (registers the built-in family)
+
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"[model] name: unknown model family {name!r}{hint} (registered: {', '.join(sorted(_REGISTRY))};"
+            " add your own with [model] modules)"
+        )
+    return _REGISTRY[name]
+
+
+def resolve_model_args(spec: ModelSpec, model_section) -> Any:
+    """The flavor's args with ``[model] tie_embeddings`` and ``[model.overrides]`` applied."""
+    if model_section.flavor not in spec.flavors:
+        close = difflib.get_close_matches(model_section.flavor, list(spec.flavors), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"[model] flavor: {model_section.flavor!r} is not a flavor of {spec.name}{hint}"
+            f" (flavors: {', '.join(spec.flavors)})"
+        )
+    args = spec.flavors[model_section.flavor]
+    fields = {f.name: f for f in dataclasses.fields(args)}
+    updates = dict(model_section.overrides)
+    for key, value in updates.items():
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"fields: {', '.join(fields)}"
+            raise ConfigError(f"[model.overrides] {key}: not a field of {spec.name} args; {hint}")
+        current = getattr(args, key)
+        if current is not None and not _same_kind(current, value):
+            raise ConfigError(
+                f"[model.overrides] {key}: got {value!r}, expected a {type(current).__name__} like the flavor's {current!r}"
+            )
+    if model_section.tie_embeddings:
+        if "tie_embeddings" not in fields:
+            raise ConfigError(f"[model] tie_embeddings: model family {spec.name} does not support tied embeddings")
+        updates["tie_embeddings"] = True
+    return dataclasses.replace(args, **updates)
+
+
+def _same_kind(current: Any, value: Any) -> bool:
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(current, bool) and isinstance(value, bool)
+    if isinstance(current, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(current))

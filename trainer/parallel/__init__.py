@@ -1,0 +1,1 @@
+"""Parallelism: degrees and meshes, and one module per SPMD/pipeline technique."""

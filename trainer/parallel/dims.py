@@ -1,0 +1,85 @@
+"""ParallelDims: the job's parallel degrees, resolved against the world size and checked.
+
+Pure arithmetic; building the DeviceMesh lives in ``trainer.parallel.mesh`` so that the
+config loader and the dry run can use this without a process group.
+"""
+
+from dataclasses import dataclass
+
+from trainer.errors import ConfigError
+
+_KEYS = {
+    "dp_replicate": "data_parallel_replicate_degree",
+    "dp_shard": "data_parallel_shard_degree",
+    "cp": "context_parallel_degree",
+    "tp": "tensor_parallel_degree",
+    "pp": "pipeline_parallel_degree",
+}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees; ``dp_shard`` is never -1 here."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    @classmethod
+    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+        """Resolve ``data_parallel_shard_degree = -1`` and check that the degrees fill the world.
+
+        ``parallelism`` is the ``[parallelism]`` section.
+        """
+        rep = parallelism.data_parallel_replicate_degree
+        shard = parallelism.data_parallel_shard_degree
+        cp = parallelism.context_parallel_degree
+        tp = parallelism.tensor_parallel_degree
+        pp = parallelism.pipeline_parallel_degree
+        others = rep * cp * tp * pp
+        if shard == -1:
+            if world_size % others != 0:
+                raise ConfigError(
+                    f"[parallelism] degrees do not divide the world: dp_replicate {rep} * cp {cp} * tp {tp}"
+                    f" * pp {pp} = {others} does not divide WORLD_SIZE {world_size}"
+                )
+            shard = world_size // others
+        total = rep * shard * cp * tp * pp
+        if total != world_size:
+            raise ConfigError(
+                f"[parallelism] degrees do not match the world: dp_replicate {rep} * dp_shard {shard} * cp {cp}"
+                f" * tp {tp} * pp {pp} = {total} != WORLD_SIZE {world_size}"
+            )
+        return cls(rep, shard, cp, tp, pp, world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Pure replication (DDP): replicas but no sharding."""
+        return self.dp_replicate > 1 and self.dp_shard == 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1 and self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def describe(self) -> str:
+        return " * ".join(f"{name} {getattr(self, name)}" for name in _KEYS) + f" = {self.world_size} ranks"
