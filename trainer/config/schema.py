@@ -61,7 +61,7 @@ class Model:
     name: str = "llama3"
     """Model family, as registered in trainer.models (built-in: llama3)."""
     flavor: str = "debugmodel"
-    """Size preset of the family (llama3: debugmodel, 1B, 3B, 8B, 70B, 405B)."""
+    """Size preset of the family (llama3: debugmodel, 270M, 1B, 3B, 8B, 70B, 405B)."""
     tokenizer_path: str = ""
     """tiktoken BPE file (e.g. Llama 3's tokenizer.model); empty = bundled cl100k_base."""
     tokenizer_vocab_size: Annotated[int, NonNegative] = 0

@@ -36,8 +36,15 @@ class LlamaArgs:
 FLAVORS = {
     # Tiny: trains in seconds on one CPU core. Vocabulary matches the bundled tokenizer cut to 2046 ranks.
     "debugmodel": LlamaArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2048, multiple_of=64),
-    "1B": LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256),
-    "3B": LlamaArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256),
+    # Smallest real-vocabulary shape; big enough for compute to dominate on CPU benchmarks.
+    "270M": LlamaArgs(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, multiple_of=256),
+    # Llama 3.2 1B and 3B tie their embeddings, as the released models do.
+    "1B": LlamaArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256, tie_embeddings=True
+    ),
+    "3B": LlamaArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256, tie_embeddings=True
+    ),
     "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024),
     "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
     "405B": LlamaArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096),

@@ -1,0 +1,79 @@
+"""The real entry points (run_train.sh, train.py) as a user runs them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+
+
+def launch(cmd, **kw):
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.mark.slow
+def test_readme_train_command_trains_the_debug_model(tmp_path):
+    """./run_train.sh with the default config: loss falls clearly, TensorBoard has the loss curve."""
+    dump = tmp_path / "debug"
+    proc = launch(["./run_train.sh", "--job.dump_folder", str(dump), "--training.steps", "20"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = EventAccumulator(str(dump / "tb"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("loss")]
+    assert len(losses) == 20
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0, losses
+    for tag in ("grad_norm", "lr", "tokens_per_second", "step_time_s", "memory_rss_peak_gib"):
+        assert tag in events.Tags()["scalars"]
+    assert (dump / "config.toml").is_file()
+    assert "step    20  loss" in proc.stdout + proc.stderr
+
+
+USER_ERRORS = [
+    (["--training.stpes", "5"], "[training] stpes: unknown key"),
+    (["--training.dataset_path", "/no/such/file.txt"], "[training] dataset_path: file not found"),
+    (["--job.config_file", "/no/such/job.toml"], "[job] config_file: file not found"),
+]
+
+
+@pytest.mark.parametrize("args, message", USER_ERRORS, ids=[a[0] for a, _ in USER_ERRORS])
+def test_user_errors_are_one_line_without_traceback(args, message):
+    proc = launch([sys.executable, "train.py", *args])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [lines[0]] and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_runtime_user_error_is_one_line(tmp_path):
+    """A file that exists but is not a tokenizer fails at start-up with one line naming the key."""
+    bad = tmp_path / "tok.model"
+    bad.write_text("garbage\n")
+    proc = launch([sys.executable, "train.py", "--model.tokenizer_path", str(bad), "--job.dump_folder", str(tmp_path)])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: [model] tokenizer_path:")
+
+
+def test_malformed_toml_names_file_and_line(tmp_path):
+    cfg = tmp_path / "job.toml"
+    cfg.write_text("[training]\nsteps = \n")
+    proc = launch([sys.executable, "train.py", "--job.config_file", str(cfg)])
+    assert proc.returncode == 2 and "job.toml: malformed TOML" in proc.stderr and "line 2" in proc.stderr
+
+
+def test_run_train_sh_rejects_bad_config_before_launch():
+    proc = launch(["./run_train.sh", "--optimizer.name", "sgd"])
+    assert proc.returncode == 2
+    assert "[optimizer] name: got 'sgd'" in proc.stderr
+    assert "torch.distributed" not in proc.stderr and "[rank" not in proc.stdout  # torchrun never started
+
+
+def test_help_and_print_config():
+    help_proc = launch([sys.executable, "train.py", "--help"])
+    assert help_proc.returncode == 0 and "--training.steps" in help_proc.stdout
+    cfg = launch([sys.executable, "train.py", "--training.steps", "3", "--print-config"])
+    assert cfg.returncode == 0 and "steps = 3" in cfg.stdout

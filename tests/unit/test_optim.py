@@ -1,0 +1,64 @@
+"""LR schedule values and optimizer parameter groups."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.config import load_config
+from trainer.optim import build_lr_scheduler, build_optimizer, lr_factor
+
+
+def sched(**kw):
+    args = ["--training.steps", "10"]
+    for k, v in kw.items():
+        args += [f"--lr_scheduler.{k}", str(v)]
+    return load_config(overrides=args).lr_scheduler
+
+
+def test_warmup_then_linear_decay_to_zero():
+    s = sched(warmup_steps=2)
+    assert [lr_factor(i, s, 10) for i in range(1, 11)] == pytest.approx(
+        [0.5, 1.0, 7 / 8, 6 / 8, 5 / 8, 4 / 8, 3 / 8, 2 / 8, 1 / 8, 0.0]
+    )
+
+
+def test_warmup_stable_decay_with_floor():
+    s = sched(warmup_steps=2, decay_ratio=0.4, min_lr_factor=0.1)  # decay over the last 4 steps
+    values = [lr_factor(i, s, 10) for i in range(1, 11)]
+    assert values[:6] == pytest.approx([0.5, 1, 1, 1, 1, 1])
+    assert values[6:] == pytest.approx([0.1 + 0.9 * (1 - p) for p in (0.25, 0.5, 0.75, 1.0)])
+
+
+@pytest.mark.parametrize(
+    "kind, shape",
+    [("sqrt", lambda p: 1 - math.sqrt(p)), ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p)))],
+)
+def test_decay_shapes(kind, shape):
+    s = sched(warmup_steps=0, decay_type=kind)
+    assert [lr_factor(i, s, 10) for i in range(1, 11)] == pytest.approx([shape(i / 10) for i in range(1, 11)])
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    model = torch.nn.Linear(3, 3)
+    config = load_config(overrides=["--training.steps", "4", "--lr_scheduler.warmup_steps", "2"])
+    opt = build_optimizer(model, config.optimizer)
+    sch = build_lr_scheduler(opt, config.lr_scheduler, 4)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sch.step()
+    assert seen == pytest.approx([4e-4, 8e-4, 4e-4, 0.0])
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
+def test_weight_decay_only_on_matrices(impl):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=True), torch.nn.LayerNorm(4))
+    config = load_config(overrides=["--optimizer.implementation", impl])
+    opt = build_optimizer(model, config.optimizer)
+    decayed, plain = opt.param_groups
+    assert [p.ndim for p in decayed["params"]] == [2] and decayed["weight_decay"] == 0.1
+    assert all(p.ndim == 1 for p in plain["params"]) and plain["weight_decay"] == 0.0
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()

@@ -1,0 +1,119 @@
+"""Console and TensorBoard metrics: loss, grad norm, lr, throughput, MFU, memory."""
+
+import logging
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s of one device, by a substring of its name.
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "L40S": 362e12, "MI300X": 1307e12}
+
+
+def peak_flops(device: torch.device, configured: float) -> float:
+    """Peak FLOP/s for MFU: ``[metrics] peak_flops`` if set, else a table lookup; 0 = unknown."""
+    if configured:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in _PEAK_FLOPS.items():
+            if key in name:
+                return value
+        logger.warning("peak FLOP/s of %r unknown; set [metrics] peak_flops to report MFU", name)
+    return 0.0
+
+
+def memory_gib(device: torch.device) -> tuple[float, str]:
+    """Peak memory of this process: accelerator memory allocated, or resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "gpu_peak"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss_peak"  # ru_maxrss is KiB
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+
+
+class MetricsLogger:
+    """Writes a console line and TensorBoard scalars every ``log_freq`` steps.
+
+    Only the rank chosen to report (``enabled``) writes; every rank must still call
+    ``log`` so that throughput windows stay aligned.
+    """
+
+    def __init__(
+        self,
+        metrics,
+        *,
+        dump_folder: str,
+        enabled: bool,
+        device: torch.device,
+        flops_per_token: float,
+        world_size: int,
+        config_toml: str = "",
+    ):
+        self.log_freq = metrics.log_freq
+        self.enabled = enabled
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak = peak_flops(device, metrics.peak_flops)
+        self.writer = None
+        if enabled and metrics.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb_dir = Path(dump_folder) / metrics.save_tb_folder
+            self.writer = SummaryWriter(log_dir=str(self.tb_dir))
+            if config_toml:
+                self.writer.add_text("config", "```toml\n" + config_toml + "\n```")
+        self._window_start = time.perf_counter()
+        self._window_tokens = 0
+        self._window_steps = 0
+
+    def should_log(self, step: int) -> bool:
+        return step % self.log_freq == 0 or step == 1
+
+    def log(self, stats: StepStats, tokens: int) -> dict[str, float]:
+        """Record one step; ``tokens`` is the number this device processed in it."""
+        self._window_tokens += tokens
+        self._window_steps += 1
+        if not self.should_log(stats.step):
+            return {}
+        elapsed = time.perf_counter() - self._window_start
+        tps = self._window_tokens / elapsed
+        values = {
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "tokens_per_second_per_device": tps,
+            "tokens_per_second": tps * self.world_size,
+            "step_time_s": elapsed / self._window_steps,
+        }
+        if self.peak:
+            values["mfu_percent"] = 100.0 * tps * self.flops_per_token / self.peak
+        mem, mem_name = memory_gib(self.device)
+        values[f"memory_{mem_name}_gib"] = mem
+        self._window_start, self._window_tokens, self._window_steps = time.perf_counter(), 0, 0
+        if self.enabled:
+            mfu = f"  mfu {values['mfu_percent']:5.2f}%" if "mfu_percent" in values else ""
+            logger.info(
+                "step %5d  loss %8.4f  grad_norm %8.4f  lr %.3e  tok/s %10.0f (%.0f/device)%s  step_time %.3fs  %s %.2fGiB",
+                stats.step, stats.loss, stats.grad_norm, stats.lr, values["tokens_per_second"], tps, mfu,
+                values["step_time_s"], mem_name, mem,
+            )
+            if self.writer is not None:
+                for name, value in values.items():
+                    self.writer.add_scalar(name, value, stats.step)
+        return values
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

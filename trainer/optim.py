@@ -1,0 +1,64 @@
+"""Optimizer and learning-rate schedule, built from ``[optimizer]`` and ``[lr_scheduler]``."""
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainer.config.validate import decay_steps
+
+
+def build_optimizer(model: nn.Module, optimizer) -> torch.optim.Optimizer:
+    """AdamW/Adam over the model's parameters; ``optimizer`` is the ``[optimizer]`` section.
+
+    Weight decay applies to matrices and embeddings; norms' 1-D gains are not decayed.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    impl = {
+        "for-loop": {"foreach": False, "fused": False},
+        "foreach": {"foreach": True, "fused": False},
+        "fused": {"foreach": False, "fused": True},
+    }[optimizer.implementation]
+    groups = [
+        {"params": decay, "weight_decay": optimizer.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer.name]
+    return cls(
+        [g for g in groups if g["params"]],
+        lr=optimizer.lr,
+        betas=(optimizer.beta1, optimizer.beta2),
+        eps=optimizer.eps,
+        **impl,
+    )
+
+
+def lr_factor(step: int, lr_scheduler, steps: int) -> float:
+    """Multiplier of the peak lr used at 1-based training ``step``.
+
+    Linear warm-up reaches 1 at step ``warmup_steps``; the last ``decay_steps`` steps decay
+    to ``min_lr_factor``, reaching it exactly at the last step; in between the lr is flat.
+    """
+    warmup = lr_scheduler.warmup_steps
+    if step <= warmup:
+        return step / warmup
+    decay = decay_steps(lr_scheduler, steps)
+    decay_start = steps - decay
+    if decay == 0 or step <= decay_start:
+        return 1.0
+    progress = (step - decay_start) / decay  # in (0, 1]
+    shape = {
+        "linear": 1.0 - progress,
+        "sqrt": 1.0 - math.sqrt(progress),
+        "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+    }[lr_scheduler.decay_type]
+    floor = lr_scheduler.min_lr_factor
+    return floor + (1.0 - floor) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler, steps: int) -> LambdaLR:
+    """Schedule stepped once per optimizer step. LambdaLR's counter starts at 0 for step 1."""
+    return LambdaLR(optimizer, lambda i: lr_factor(i + 1, lr_scheduler, steps))
