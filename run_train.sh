@@ -21,5 +21,5 @@ filter=()
 if [ -n "$LOG_RANK" ]; then
     filter=(--local-ranks-filter "$LOG_RANK")
 fi
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" "${filter[@]}" --role rank --tee 3 \
+exec "$PYTHON" -m trainer.launch --standalone --nproc_per_node="$NGPU" "${filter[@]}" --role rank --tee 3 \
     train.py --job.config_file "$CONFIG_FILE" "$@"

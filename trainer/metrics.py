@@ -57,14 +57,14 @@ class MetricsLogger:
         enabled: bool,
         device: torch.device,
         flops_per_token: float,
-        world_size: int,
+        dp_degree: int,
         config_toml: str = "",
     ):
         self.log_freq = metrics.log_freq
         self.enabled = enabled
         self.device = device
         self.flops_per_token = flops_per_token
-        self.world_size = world_size
+        self.dp_degree = dp_degree
         self.peak = peak_flops(device, metrics.peak_flops)
         self.writer = None
         if enabled and metrics.enable_tensorboard:
@@ -94,7 +94,8 @@ class MetricsLogger:
             "grad_norm": stats.grad_norm,
             "lr": stats.lr,
             "tokens_per_second_per_device": tps,
-            "tokens_per_second": tps * self.world_size,
+            # Data-parallel ranks see different tokens; TP/PP peers share theirs.
+            "tokens_per_second": tps * self.dp_degree,
             "step_time_s": elapsed / self._window_steps,
         }
         if self.peak:

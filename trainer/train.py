@@ -14,16 +14,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.config import JobConfig, to_toml, validate_config
 from trainer.data import PackedBatchLoader, build_tokenizer, load_documents
 from trainer.env import init_determinism, init_device, init_logging
-from trainer.errors import TrainingDiverged, UserError
+from trainer.errors import TrainingDiverged
 from trainer.loss import count_label_tokens, cross_entropy_sum
 from trainer.metrics import MetricsLogger, StepStats
 from trainer.models import get_model_spec, resolve_model_args
+from trainer.models.init import materialize_
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallel.clip import clip_grad_norm_
+from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
+from trainer.parallel.parallelize import parallelize
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +57,7 @@ def compute_dtype(training, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[training.mixed_precision_param]
 
 
-def build_model(config: JobConfig, device: torch.device) -> torch.nn.Module:
+def build_model(config: JobConfig) -> torch.nn.Module:
     """The model of ``[model]`` on the meta device, with its rotary table sized to seq_len."""
     spec = get_model_spec(config.model.name)
     args = resolve_model_args(spec, config.model)
@@ -61,37 +67,57 @@ def build_model(config: JobConfig, device: torch.device) -> torch.nn.Module:
         return spec.model_cls(args)
 
 
-def train_step(model, optimizer, microbatches, *, max_norm: float, autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward over the step's microbatches, clip, update. Returns (loss, grad norm)."""
-    # Token-mean over the global batch: each microbatch's summed loss is divided by the label
-    # tokens of the whole step, so accumulated gradients equal those of one big batch.
-    num_tokens = count_label_tokens(microbatches)
-    total = torch.zeros((), dtype=torch.float32)
+def train_step(
+    model, optimizer, microbatches, *, max_norm: float, autocast, loss_context, meshes: Meshes
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm)."""
+    # Token-mean over the global batch: every microbatch's summed loss is divided by the label
+    # tokens of the whole step on all data-parallel ranks, so accumulated gradients equal those
+    # of one big batch. FSDP/DDP average gradients over the dp ranks; scaling by dp makes that
+    # average the sum the token-mean needs.
+    num_tokens = count_label_tokens(microbatches).float()
+    all_reduce_sum(num_tokens, meshes.dp_groups())
+    scale = meshes.dims.dp / num_tokens
+    total = torch.zeros((), device=num_tokens.device)
     for inputs, labels in microbatches:
-        with autocast():
-            logits = model(inputs)
-        loss = cross_entropy_sum(logits, labels) / num_tokens
-        loss.backward()
-        total += loss.detach().cpu()
+        with loss_context():
+            with autocast():
+                logits = model(inputs)
+            loss = cross_entropy_sum(logits, labels)
+            (loss * scale).backward()
+        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm
+    all_reduce_sum(total, meshes.dp_groups())
+    return total / num_tokens, grad_norm
 
 
 def main(config: JobConfig) -> TrainResult:
-    init_logging()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dims = validate_config(config, world_size)
+    rank = int(os.environ.get("RANK", "0"))
+    dims = validate_config(config, world_size)  # every rank checks, before any collective
+    # Metrics are global after the data-parallel all-reduce, so rank 0 reports them;
+    # other ranks log warnings and errors only.
+    reporting = rank == 0
+    init_logging(logging.INFO if reporting else logging.WARNING)
+    device = init_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world_size > 1:
-        raise UserError(f"WORLD_SIZE={world_size}: multi-process training is not supported by this version yet")
-    device = init_device(local_rank)
+        init_distributed(device, config.comm.init_timeout_seconds)
+    try:
+        return _train(config, dims, device, reporting)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> TrainResult:
+    meshes = build_meshes(dims, device.type)
     init_determinism(config.debug.seed, config.debug.deterministic)
     logger.info("job: %s | %s", config.job.description, dims.describe())
 
     spec = get_model_spec(config.model.name)
-    model = build_model(config, device)
+    model = build_model(config)
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = spec.flops_per_token(model.args, config.training.seq_len)
     logger.info(
@@ -106,30 +132,45 @@ def main(config: JobConfig) -> TrainResult:
         seq_len=config.training.seq_len,
         local_batch_size=config.training.local_batch_size,
         accum_steps=grad_accum_steps(config.training, dims.dp),
+        dp_rank=meshes.dp_rank,
+        dp_degree=dims.dp,
     )
 
-    model.to_empty(device=device)
-    model.init_weights(config.debug.seed)
+    dtype = compute_dtype(config.training, device)
+    parallelize(
+        model, spec, meshes,
+        parallelism=config.parallelism,
+        activation_checkpoint=config.activation_checkpoint,
+        compile_enabled=config.compile.enable,
+        param_dtype=dtype,
+        reduce_dtype=config.training.mixed_precision_reduce,
+    )
+    materialize_(model, device, config.debug.seed)
     model.train()
     optimizer = build_optimizer(model, config.optimizer)
     scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
-    dtype = compute_dtype(config.training, device)
-    if dtype == torch.float32:
+    # FSDP casts parameters itself; without it, autocast does the mixed precision.
+    if dtype == torch.float32 or meshes.fsdp is not None:
         autocast = contextlib.nullcontext
     else:
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+    if meshes.tp is not None and not config.parallelism.disable_loss_parallel:
+        loss_context = loss_parallel
+    else:
+        loss_context = contextlib.nullcontext
 
     dump = Path(config.job.dump_folder)
-    dump.mkdir(parents=True, exist_ok=True)
     config_toml = to_toml(config)
-    (dump / "config.toml").write_text(config_toml)
+    if reporting:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "config.toml").write_text(config_toml)
     metrics = MetricsLogger(
         config.metrics,
         dump_folder=config.job.dump_folder,
-        enabled=True,
+        enabled=reporting,
         device=device,
         flops_per_token=flops_per_token,
-        world_size=world_size,
+        dp_degree=dims.dp,
         config_toml=config_toml,
     )
     result = TrainResult()
@@ -142,15 +183,18 @@ def main(config: JobConfig) -> TrainResult:
             start = time.perf_counter()
             microbatches = [(x.to(device), y.to(device)) for x, y in loader.next_step()]
             loss, grad_norm = train_step(
-                model, optimizer, microbatches, max_norm=config.training.max_norm, autocast=autocast
+                model, optimizer, microbatches, max_norm=config.training.max_norm, autocast=autocast,
+                loss_context=loss_context, meshes=meshes,
             )
             scheduler.step()
             loss_value, norm_value = loss.item(), grad_norm.item()  # .item() waits for the device
             result.step_times.append(time.perf_counter() - start)
-            if not math.isfinite(loss_value):
+            if not math.isfinite(loss_value):  # the loss is all-reduced: every rank stops here
                 raise TrainingDiverged(
                     f"loss is {loss_value} at step {step}; lower [optimizer] lr or [training] max_norm"
                 )
+            if step == 1 and dims.world_size > 1:
+                set_train_timeout(config.comm.train_timeout_seconds)
             result.losses.append(loss_value)
             result.grad_norms.append(norm_value)
             result.lrs.append(lr)

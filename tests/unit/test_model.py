@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trainer.models import get_model_spec
+from trainer.models.init import materialize_
 from trainer.models.llama import LlamaArgs, Transformer
 from trainer.models.llama.args import FLAVORS
 from trainer.models.llama.model import llama_flops_per_token
@@ -16,8 +17,7 @@ ARGS = LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=300, mu
 def build(args=ARGS, seed=0) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
-    model.to_empty(device="cpu")
-    model.init_weights(seed)
+    materialize_(model, torch.device("cpu"), seed)
     return model
 
 
@@ -76,8 +76,7 @@ def test_init_is_independent_of_the_split():
         chunk = Transformer(ARGS)
     chunk.tok_embeddings = None
     del chunk.layers["0"]
-    chunk.to_empty(device="cpu")
-    chunk.init_weights(7)
+    materialize_(chunk, torch.device("cpu"), 7)
     full_params = dict(full.named_parameters())
     names = [n for n, _ in chunk.named_parameters()]
     assert names and all(not n.startswith(("tok_embeddings", "layers.0.")) for n in names)

@@ -33,6 +33,16 @@ def init_param_(param: torch.Tensor, name: str, seed: int, fn: InitFn) -> None:
     local.copy_(full)
 
 
+def materialize_(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a meta-device model (plain, TP- or FSDP-sharded) on ``device`` and initialise it."""
+    from trainer.parallel.tied import find_tied, retie_
+
+    tied = find_tied(model)
+    model.to_empty(device=device)
+    retie_(model, tied)  # to_empty allocates shared parameters once per owner
+    model.init_weights(seed)
+
+
 def normal_(std: float, *, truncate: float | None = None) -> InitFn:
     """Normal(0, std), optionally truncated at +-truncate*std."""
 

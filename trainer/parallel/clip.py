@@ -1,22 +1,40 @@
-"""Gradient clipping by the true global norm."""
+"""Gradient clipping by the true global norm over every parallel dimension."""
 
+from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Scale gradients so their global 2-norm is at most ``max_norm`` (0 = never); return the norm.
 
-    DTensor gradients (FSDP / TP shards) reduce over their mesh when the norm is materialised,
-    so the returned norm is that of the whole unsharded model.
+    Gradients are grouped by layout: DTensor groups (FSDP and/or TP shards) reduce over their
+    own mesh when their norm is materialised; plain tensors are the same on every rank that
+    holds them and count once. With pipelining, each stage holds different parameters, so the
+    squared norms are summed over ``pp_group`` too. The result equals the single-process norm.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    by_layout: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_layout[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    squares = []
+    for group in by_layout.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=True)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for group in by_layout.values():
+            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in group], coef.to(group[0].device))
     return total

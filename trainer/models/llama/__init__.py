@@ -2,6 +2,7 @@
 
 from trainer.models.llama.args import FLAVORS, LlamaArgs
 from trainer.models.llama.model import Transformer, llama_flops_per_token
+from trainer.models.llama.parallelize import build_tp_plan
 from trainer.models.registry import ModelSpec, register_model
 
 register_model(
@@ -10,6 +11,7 @@ register_model(
         model_cls=Transformer,
         flavors=FLAVORS,
         flops_per_token=llama_flops_per_token,
+        build_tp_plan=build_tp_plan,
     )
 )
 

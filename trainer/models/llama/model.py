@@ -123,8 +123,6 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter this (possibly partial, possibly sharded) model holds."""
-        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight  # to_empty() materialises the two separately
         for name, param in self.named_parameters():
             init_param_(param, name, seed, self.init_fn(name))
         self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)

@@ -1,0 +1,36 @@
+"""Launch a job on N CPU processes (torchrun over gloo) and collect its per-step results."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "distributed" / "worker.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+# Shared by every parity run: tiny Llama, fp32, deterministic, global batch of 8 sequences.
+PARITY = [
+    "--model.overrides.dim", "64", "--model.overrides.n_layers", "2", "--model.overrides.n_heads", "4",
+    "--model.overrides.n_kv_heads", "2", "--model.overrides.vocab_size", "512",
+    "--training.seq_len", "32", "--training.steps", "3", "--training.global_batch_size", "8",
+    "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-3",
+    "--metrics.no-enable_tensorboard", "--debug.deterministic", "--training.mixed_precision_param", "float32",
+]
+
+
+def torchrun(nproc: int, args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}",
+        *args,
+    ]
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def run_layout(nproc: int, overrides: list[str], tmp_path: Path) -> dict:
+    out = tmp_path / f"result_{nproc}_{abs(hash(tuple(overrides)))}.json"
+    args = [str(WORKER), str(out), *PARITY, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
+    proc = torchrun(nproc, args, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())

@@ -1,0 +1,9 @@
+"""torch.compile per block (in place: parameter names stay as they are)."""
+
+from torch import nn
+
+
+def apply_compile(model: nn.Module, *, layers_attr: str) -> None:
+    # Blocks are identical, so one compiled graph serves them all; the top level stays eager.
+    for block in getattr(model, layers_attr).values():
+        block.compile(fullgraph=False)

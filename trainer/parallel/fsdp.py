@@ -1,0 +1,57 @@
+"""FSDP2 (fully_shard) per block plus the top-level modules; HSDP and DDP on a 2-D mesh.
+
+DDP is FSDP2 on a (replicate, shard=1) mesh: parameters stay whole on every rank and
+gradients are all-reduced, but unlike torch's DDP it accepts DTensor (tensor-parallel)
+parameters, so it composes with TP and pipeline chunks.
+"""
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: Literal["default", "always", "never"],
+    layers_attr: str,
+    pre_layers: tuple[str, ...],
+    post_layers: tuple[str, ...],
+    pipelined: bool = False,
+) -> None:
+    """Shard ``model`` in place: one FSDP unit per block, one for the pre- and one for the post-layers.
+
+    ``pipelined``: under a pipeline schedule each step runs several microbatches, so by
+    default parameters stay gathered between them instead of being re-gathered per microbatch.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    reshard = {"default": not pipelined, "always": True, "never": False}[reshard_after_forward]
+    # Under "default", modules that backward needs first (last block, final norm, output)
+    # keep their gathered parameters after forward instead of gathering them again.
+    keep_last = reshard_after_forward == "default"
+    blocks = list(getattr(model, layers_attr).values())
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and not (last and keep_last))
+    pre = [getattr(model, n) for n in pre_layers if getattr(model, n, None) is not None]
+    post = [getattr(model, n) for n in post_layers if getattr(model, n, None) is not None]
+    if _share_parameters(pre, post):
+        # Tied embedding and output: a shared parameter must live in exactly one FSDP unit.
+        fully_shard(pre + post, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and not keep_last)
+    else:
+        if pre:
+            fully_shard(pre, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        if post:
+            fully_shard(post, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and not keep_last)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def _share_parameters(a: list[nn.Module], b: list[nn.Module]) -> bool:
+    ids = {id(p) for m in a for p in m.parameters()}
+    return any(id(p) in ids for m in b for p in m.parameters())

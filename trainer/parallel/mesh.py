@@ -1,0 +1,103 @@
+"""Process group and the named DeviceMesh, plus the sub-meshes each consumer needs.
+
+The world mesh has the dims ("pp", "dp_replicate", "dp_shard", "cp", "tp"), pp outermost
+and tp innermost, so tensor-parallel groups are neighbouring ranks (one node on GPUs).
+Consumers get the sub-mesh they need from ``Meshes``; a dim of size 1 gives ``None`` and
+the consumer skips its collectives.
+"""
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.parallel.dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def init_distributed(device: torch.device, init_timeout_seconds: int) -> None:
+    """Join the torchrun job: gloo for CPU tensors, the accelerator's backend for device tensors."""
+    backend = "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=init_timeout_seconds))
+
+
+def set_train_timeout(seconds: int) -> None:
+    """Switch from the generous set-up timeout to the training one, after the first step."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+    except ImportError:  # private helper; without it the set-up timeout stays in force
+        logger.warning("cannot change the process-group timeout on this torch; keeping the init timeout")
+        return
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), dist.group.WORLD)
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The sub-meshes of one job; each is None when its degree is 1 (or with one process)."""
+
+    world: DeviceMesh | None
+    dims: ParallelDims
+
+    def _sub(self, *names: str) -> DeviceMesh | None:
+        if self.world is None or all(self.dims_size(n) == 1 for n in names):
+            return None
+        return self.world[names] if len(names) > 1 else self.world[names[0]]
+
+    def dims_size(self, name: str) -> int:
+        return getattr(self.dims, name)
+
+    @property
+    def tp(self) -> DeviceMesh | None:
+        return self._sub("tp")
+
+    @property
+    def pp(self) -> DeviceMesh | None:
+        return self._sub("pp")
+
+    @property
+    def dp(self) -> DeviceMesh | None:
+        """(dp_replicate, dp_shard): data loading, loss and token-count reduction."""
+        return self._sub("dp_replicate", "dp_shard")
+
+    @property
+    def fsdp(self) -> DeviceMesh | None:
+        """Mesh handed to fully_shard: 1-D (shard) for FSDP, 2-D (replicate, shard) for HSDP and DDP."""
+        if self.world is None or self.dims.dp == 1:
+            return None
+        if self.dims.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard"]
+        return self.world["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's batch among the data-parallel ranks."""
+        if self.world is None:
+            return 0
+        return self.world.get_local_rank("dp_replicate") * self.dims.dp_shard + self.world.get_local_rank("dp_shard")
+
+    def dp_groups(self) -> list[dist.ProcessGroup]:
+        """Process groups whose all-reduces together sum over all data-parallel ranks."""
+        if self.world is None:
+            return []
+        return [self.world.get_group(n) for n in ("dp_replicate", "dp_shard") if self.dims_size(n) > 1]
+
+
+def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+    if dims.world_size == 1:
+        return Meshes(None, dims)
+    shape = tuple(getattr(dims, name) for name in DIM_NAMES)
+    world = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+    return Meshes(world, dims)
+
+
+def all_reduce_sum(tensor: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """Sum ``tensor`` in place over the given groups (e.g. every data-parallel dim)."""
+    for group in groups:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor

@@ -1,0 +1,63 @@
+"""``parallelize``: the one place that composes TP, activation checkpointing, compile and FSDP/DDP."""
+
+import logging
+
+import torch
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.models import ModelSpec
+from trainer.parallel.ac import apply_ac
+from trainer.parallel.compile import apply_compile
+from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.mesh import Meshes
+from trainer.parallel.tp import apply_tp
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallelize(
+    model: nn.Module,
+    spec: ModelSpec,
+    meshes: Meshes,
+    *,
+    parallelism,
+    activation_checkpoint,
+    compile_enabled: bool,
+    param_dtype: torch.dtype,
+    reduce_dtype: str,
+    pipelined: bool = False,
+) -> None:
+    """Apply every SPMD technique the job asks for to ``model`` (a whole model or a pipeline chunk), in place.
+
+    ``parallelism`` and ``activation_checkpoint`` are those config sections.
+    """
+    # 1. TP first: it turns parameters into DTensors on the tp mesh, which everything after
+    #    (checkpoint hooks, compiled graphs, FSDP's 2-D sharding) must see.
+    if meshes.tp is not None:
+        if spec.build_tp_plan is None:
+            raise ConfigError(
+                f"[parallelism] tensor_parallel_degree={meshes.dims.tp}: model family {spec.name} has no TP plan"
+            )
+        top, block = spec.build_tp_plan(
+            sequence_parallel=parallelism.enable_sequence_parallel,
+            loss_parallel=not parallelism.disable_loss_parallel,
+        )
+        apply_tp(model, meshes.tp, top_plan=top, block_plan=block, layers_attr=spec.layers_attr)
+    # 2. AC before compile, so the compiled region includes the recomputation boundaries.
+    apply_ac(
+        model, mode=activation_checkpoint.mode, option=activation_checkpoint.selective_ac_option,
+        layers_attr=spec.layers_attr,
+    )
+    # 3. Compile per block before FSDP, so FSDP's hooks stay outside the compiled graphs.
+    if compile_enabled:
+        apply_compile(model, layers_attr=spec.layers_attr)
+    # 4. FSDP/HSDP/DDP last: it wraps whatever the block has become.
+    if meshes.fsdp is not None:
+        apply_fsdp(
+            model, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=_DTYPES[reduce_dtype],
+            reshard_after_forward=parallelism.fsdp_reshard_after_forward, layers_attr=spec.layers_attr,
+            pre_layers=spec.pre_layers, post_layers=spec.post_layers, pipelined=pipelined,
+        )

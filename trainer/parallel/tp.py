@@ -1,0 +1,29 @@
+"""Tensor parallelism: apply a model family's plan (DTensor ParallelStyles) to a model or chunk."""
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from trainer.parallel.tied import find_tied, retie_
+
+logger = logging.getLogger(__name__)
+
+
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    top_plan: dict[str, ParallelStyle],
+    block_plan: dict[str, ParallelStyle],
+    layers_attr: str = "layers",
+) -> None:
+    """Shard ``model`` in place over ``tp_mesh``; modules a pipeline chunk lacks are skipped."""
+    plan = {name: style for name, style in top_plan.items() if getattr(model, name, None) is not None}
+    for block_name in getattr(model, layers_attr):
+        for sub, style in block_plan.items():
+            plan[f"{layers_attr}.{block_name}.{sub}"] = style
+    tied = find_tied(model)
+    parallelize_module(model, tp_mesh, plan)
+    retie_(model, tied)  # each style distributes its own copy; shared weights must stay one DTensor
