@@ -19,6 +19,11 @@ def run(argv: list[str]) -> int:
         if invocation.action == "print-config":
             print(to_toml(invocation.config), end="")
             return 0
+        if invocation.action == "dry-run":
+            from trainer.plan import describe_plan
+
+            print(describe_plan(invocation.config, invocation.world_size or _degrees_product(invocation.config)), end="")
+            return 0
         from trainer.train import main
 
         main(invocation.config)
@@ -26,6 +31,14 @@ def run(argv: list[str]) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _degrees_product(config) -> int:
+    """World size implied by the degrees when none is given (data_parallel_shard_degree -1 counts as 1)."""
+    p = config.parallelism
+    shard = max(p.data_parallel_shard_degree, 1)
+    return (p.data_parallel_replicate_degree * shard * p.context_parallel_degree * p.tensor_parallel_degree
+            * p.pipeline_parallel_degree)
 
 
 if __name__ == "__main__":

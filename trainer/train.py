@@ -4,7 +4,6 @@
 """
 
 import contextlib
-import dataclasses
 import gc
 import logging
 import math
@@ -22,14 +21,15 @@ from trainer.config import JobConfig, to_toml, validate_config
 from trainer.data import PackedBatchLoader, build_tokenizer, load_documents
 from trainer.env import init_determinism, init_device, init_logging
 from trainer.errors import TrainingDiverged
-from trainer.loss import count_label_tokens, cross_entropy_sum
+from trainer.loss import count_label_tokens
 from trainer.metrics import MetricsLogger, StepStats
-from trainer.models import get_model_spec, resolve_model_args
-from trainer.models.init import materialize_
+from trainer.model_parts import ModelParts, build_model, build_model_parts
+from trainer.models import get_model_spec
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
-from trainer.parallel.parallelize import parallelize
+from trainer.parallel.pipeline import run_schedule
+from trainer.parallel.pipeline_split import V_SCHEDULES
 
 logger = logging.getLogger(__name__)
 
@@ -57,49 +57,60 @@ def compute_dtype(training, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[training.mixed_precision_param]
 
 
-def build_model(config: JobConfig) -> torch.nn.Module:
-    """The model of ``[model]`` on the meta device, with its rotary table sized to seq_len."""
-    spec = get_model_spec(config.model.name)
-    args = resolve_model_args(spec, config.model)
-    if hasattr(args, "max_seq_len"):
-        args = dataclasses.replace(args, max_seq_len=config.training.seq_len)
-    with torch.device("meta"):
-        return spec.model_cls(args)
-
-
 def train_step(
-    model, optimizer, microbatches, *, max_norm: float, autocast, loss_context, meshes: Meshes
+    parts: ModelParts, optimizer, microbatches, *, max_norm: float, autocast, loss_context, meshes: Meshes
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm)."""
     # Token-mean over the global batch: every microbatch's summed loss is divided by the label
     # tokens of the whole step on all data-parallel ranks, so accumulated gradients equal those
     # of one big batch. FSDP/DDP average gradients over the dp ranks; scaling by dp makes that
-    # average the sum the token-mean needs.
+    # average the sum the token-mean needs. Pipeline schedules run with scale_grads=False.
     num_tokens = count_label_tokens(microbatches).float()
     all_reduce_sum(num_tokens, meshes.dp_groups())
-    scale = meshes.dims.dp / num_tokens
-    total = torch.zeros((), device=num_tokens.device)
+    parts.loss.scale = meshes.dims.dp / num_tokens
+    scaled: list[torch.Tensor] = []  # per-microbatch losses, each times dp / num_tokens
     for inputs, labels in microbatches:
         with loss_context():
-            with autocast():
-                logits = model(inputs)
-            loss = cross_entropy_sum(logits, labels)
-            (loss * scale).backward()
-        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm)
+            if parts.schedule is None:
+                with autocast():
+                    logits = parts.chunks[0](inputs)
+                loss = parts.loss(logits, labels)
+                loss.backward()
+                scaled.append(loss)
+            else:
+                scaled += run_schedule(parts.schedule, inputs, labels, has_first=parts.has_first,
+                                       has_last=parts.has_last)
+    parts.sync_tied_grads()
+    pp_group = meshes.pp.get_group() if meshes.pp is not None else None
+    grad_norm = clip_grad_norm_(parts.chunks.parameters(), max_norm, pp_group=pp_group,
+                                not_in_norm=parts.tied_duplicates())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    all_reduce_sum(total, meshes.dp_groups())
-    return total / num_tokens, grad_norm
+    # This rank's share of the global token-mean; only ranks holding the last stage have one,
+    # so summing over dp and pp gives every rank the global loss.
+    total = torch.zeros((), device=num_tokens.device)
+    for loss in scaled:
+        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach() / meshes.dims.dp
+    all_reduce_sum(total, meshes.dp_groups() + ([pp_group] if pp_group is not None else []))
+    return total, grad_norm
+
+
+def reporting_rank(config: JobConfig, dims) -> int:
+    """The rank that logs metrics: data/tensor-parallel rank 0 of the pipeline rank holding the last stage."""
+    if dims.pp == 1:
+        return 0
+    v_style = config.parallelism.pipeline_parallel_schedule.lower() in {s.lower() for s in V_SCHEDULES}
+    last_pp_rank = 0 if v_style and not config.parallelism.pipeline_parallel_schedule_csv else dims.pp - 1
+    return last_pp_rank * (dims.world_size // dims.pp)  # pp is the outermost mesh dim
 
 
 def main(config: JobConfig) -> TrainResult:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dims = validate_config(config, world_size)  # every rank checks, before any collective
-    # Metrics are global after the data-parallel all-reduce, so rank 0 reports them;
-    # other ranks log warnings and errors only.
-    reporting = rank == 0
+    # Metrics are global after the all-reduce; one rank reports them, the others log warnings
+    # and errors only, so the console shows one copy without choosing LOG_RANK.
+    reporting = rank == reporting_rank(config, dims)
     init_logging(logging.INFO if reporting else logging.WARNING)
     device = init_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world_size > 1:
@@ -117,14 +128,15 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> Tr
     logger.info("job: %s | %s", config.job.description, dims.describe())
 
     spec = get_model_spec(config.model.name)
-    model = build_model(config)
-    num_params = sum(p.numel() for p in model.parameters())
-    flops_per_token = spec.flops_per_token(model.args, config.training.seq_len)
+    whole = build_model(config, spec)
+    num_params = sum(p.numel() for p in whole.parameters())
+    flops_per_token = spec.flops_per_token(whole.args, config.training.seq_len)
     logger.info(
         "model %s %s: %.2fM parameters, %.3g training FLOPs/token",
         config.model.name, config.model.flavor, num_params / 1e6, flops_per_token,
     )
-    tokenizer = build_tokenizer(config.model, model.args.vocab_size)
+    tokenizer = build_tokenizer(config.model, whole.args.vocab_size)
+    del whole
     loader = PackedBatchLoader(
         load_documents(config.training),
         tokenizer,
@@ -137,17 +149,8 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> Tr
     )
 
     dtype = compute_dtype(config.training, device)
-    parallelize(
-        model, spec, meshes,
-        parallelism=config.parallelism,
-        activation_checkpoint=config.activation_checkpoint,
-        compile_enabled=config.compile.enable,
-        param_dtype=dtype,
-        reduce_dtype=config.training.mixed_precision_reduce,
-    )
-    materialize_(model, device, config.debug.seed)
-    model.train()
-    optimizer = build_optimizer(model, config.optimizer)
+    parts = build_model_parts(config, spec, meshes, device, dtype)
+    optimizer = build_optimizer(parts.chunks, config.optimizer)
     scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
     # FSDP casts parameters itself; without it, autocast does the mixed precision.
     if dtype == torch.float32 or meshes.fsdp is not None:
@@ -183,7 +186,7 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> Tr
             start = time.perf_counter()
             microbatches = [(x.to(device), y.to(device)) for x, y in loader.next_step()]
             loss, grad_norm = train_step(
-                model, optimizer, microbatches, max_norm=config.training.max_norm, autocast=autocast,
+                parts, optimizer, microbatches, max_norm=config.training.max_norm, autocast=autocast,
                 loss_context=loss_context, meshes=meshes,
             )
             scheduler.step()

@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
 
 
-def launch(cmd, **kw):
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600, **kw)
+def launch(cmd, env=None, **kw):
+    return subprocess.run(cmd, cwd=REPO, env=env or ENV, capture_output=True, text=True, timeout=600, **kw)
 
 
 @pytest.mark.slow
@@ -77,3 +77,23 @@ def test_help_and_print_config():
     assert help_proc.returncode == 0 and "--training.steps" in help_proc.stdout
     cfg = launch([sys.executable, "train.py", "--training.steps", "3", "--print-config"])
     assert cfg.returncode == 0 and "steps = 3" in cfg.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, reporter", [("1F1B", 1), ("ZBVZeroBubble", 0)])
+def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, reporter):
+    """Without LOG_RANK, exactly one rank prints metrics: the one holding the last stage
+    (rank 1 for 1F1B's loop placement, rank 0 for ZBV's V placement), and TensorBoard gets the loss."""
+    dump = tmp_path / "pp"
+    proc = launch(
+        ["./run_train.sh", "--job.dump_folder", str(dump), "--training.steps", "3", "--training.local_batch_size", "4",
+         "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.pipeline_parallel_schedule", schedule],
+        env={**ENV, "NGPU": "2"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    step_lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "  loss " in line]
+    assert len(step_lines) == 3 and all(line.startswith(f"[rank{reporter}]:") for line in step_lines), step_lines
+    events = EventAccumulator(str(dump / "tb"))
+    events.Reload()
+    assert len(events.Scalars("loss")) == 3

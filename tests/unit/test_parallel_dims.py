@@ -17,16 +17,16 @@ def dims(world: int, **degrees) -> ParallelDims:
     args = []
     for short, value in degrees.items():
         args += [f"--parallelism.{names[short]}", str(value)]
-    parallelism = load_config(overrides=args).parallelism if not {"pp", "cp"} & degrees.keys() else _raw(args)
+    parallelism = load_config(overrides=args).parallelism if "cp" not in degrees else _raw(args)
     return ParallelDims.from_config(parallelism, world)
 
 
 def _raw(args):
-    # pp/cp > 1 are rejected by validation until they land; ParallelDims' arithmetic is still tested.
+    # cp > 1 is rejected by validation until it lands; ParallelDims' arithmetic is still tested.
     from trainer.config.loader import _build, parse_cli
     from trainer.config.schema import JobConfig
 
-    flat, _ = parse_cli(args)
+    flat, _, _ = parse_cli(args)
     return _build(JobConfig, flat, ()).parallelism
 
 

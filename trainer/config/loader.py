@@ -28,12 +28,15 @@ _ACTION_FLAGS: dict[str, Action] = {
 }
 
 
+
 @dataclass(frozen=True)
 class Invocation:
     """What the command line asked for: a config and what to do with it."""
 
     config: JobConfig
     action: Action
+    world_size: int | None = None
+    """--world-size N (for --dry-run), else WORLD_SIZE from the environment, if either is set."""
 
 
 def key_name(path: tuple[str, ...]) -> str:
@@ -152,14 +155,22 @@ def _resolve_cli_key(raw: str) -> tuple[tuple[str, ...], FieldSpec | None, bool]
     raise AssertionError("unreachable")
 
 
-def parse_cli(argv: list[str]) -> tuple[Flat, Action]:
-    """Parse overrides and action flags; values come back typed and checked."""
+def parse_cli(argv: list[str]) -> tuple[Flat, Action, int | None]:
+    """Parse overrides, action flags and --world-size; values come back typed and checked."""
     flat: Flat = {}
     action: Action = "train"
+    world_size = None
     i = 0
     while i < len(argv):
         token = argv[i]
         i += 1
+        if token == "--world-size" or token.startswith("--world-size="):
+            text = token.partition("=")[2] if "=" in token else (argv[i] if i < len(argv) else "")
+            i += 0 if "=" in token else 1
+            if not text.isdigit() or int(text) < 1:
+                raise ConfigError(f"--world-size: got {text!r}, expected a positive integer (ranks to plan for)")
+            world_size = int(text)
+            continue
         if token in _ACTION_FLAGS:
             action = _ACTION_FLAGS[token] if action == "train" else action
             continue
@@ -196,7 +207,7 @@ def parse_cli(argv: list[str]) -> tuple[Flat, Action]:
         except ConfigError as e:
             raise ConfigError(f"{name}: {e} ({CLI})") from None
         flat[path] = (value, CLI)
-    return flat, action
+    return flat, action, world_size
 
 
 def _build(cls: type, flat: Flat, prefix: tuple[str, ...]) -> Any:
@@ -240,12 +251,13 @@ def parse_args(argv: list[str]) -> Invocation:
 
     if "--help" in argv or "-h" in argv:  # help must work even when the rest is broken
         return Invocation(JobConfig(), "help")
-    cli, action = parse_cli(argv)
+    cli, action, world_size = parse_cli(argv)
     config_file = cli.get(("job", "config_file"), ("", CLI))[0]
     flat: Flat = read_toml(config_file) if config_file else {}
     flat.update(cli)
     config = _build(JobConfig, flat, ())
     # Under torchrun (or run_train.sh's pre-launch check) the world size is known: check it too.
-    world_size = os.environ.get("WORLD_SIZE")
-    validate_config(config, int(world_size) if world_size else None)
-    return Invocation(config, action)
+    if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
+    validate_config(config, world_size)
+    return Invocation(config, action, world_size)

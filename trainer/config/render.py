@@ -59,7 +59,7 @@ def to_toml(config: JobConfig) -> str:
 
 def help_text() -> str:
     lines = [
-        "usage: train.py [--job.config_file FILE] [--section.key VALUE ...] [--print-config] [--dry-run]",
+        "usage: train.py [--job.config_file FILE] [--section.key VALUE ...] [--print-config] [--dry-run [--world-size N]]",
         "",
         "Settings come from the schema defaults, then the TOML file, then the command line.",
         "Forms: --section.key VALUE, --section.key=VALUE, --section.key / --section.no-key for booleans,",
@@ -67,7 +67,8 @@ def help_text() -> str:
         "--model.overrides.n_layers 4. '-' and '_' are interchangeable in key names.",
         "",
         "  --print-config   print the resolved config as TOML and exit",
-        "  --dry-run        print the parallel plan without training",
+        "  --dry-run        print the parallel plan (mesh, stages, memory, bubble) without training",
+        "  --world-size N   ranks to plan for with --dry-run (default: WORLD_SIZE, else the degrees' product)",
         "",
     ]
     for path, fields in walk_sections(JobConfig):

@@ -160,6 +160,12 @@ class Parallelism:
     """Pipeline-parallel ranks."""
     pipeline_parallel_split_points: list[str] = field(default_factory=list)
     """Module names that start a new pipeline stage, e.g. ["layers.4"]; empty = generated."""
+    pipeline_parallel_split_mode: Literal["flops", "params", "even"] = "flops"
+    """Without split points: balance stages by FLOPs or parameters (embedding and output included), or split layers evenly."""
+    pipeline_parallel_embedding_weight: Annotated[float, NonNegative] = 1.0
+    """For split_mode even: the input embedding counts as this many layers on the first stage."""
+    pipeline_parallel_output_weight: Annotated[float, NonNegative] = 1.0
+    """For split_mode even: the final norm and output projection count as this many layers on the last stage."""
     pipeline_parallel_schedule: str = "1F1B"
     """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
     pipeline_parallel_schedule_csv: str = ""

@@ -5,11 +5,15 @@ the world size, it also resolves the parallel degrees; every rank runs the same 
 the same inputs, so on a bad config every rank fails with the same message and none hangs.
 """
 
+import logging
 from pathlib import Path
 
 from trainer.config.schema import JobConfig
 from trainer.errors import ConfigError
 from trainer.parallel.dims import ParallelDims
+
+logger = logging.getLogger(__name__)
+_WARNED: set = set()  # warnings already given (the config is validated at load and again at start)
 
 
 def validate_config(config: JobConfig, world_size: int | None = None) -> ParallelDims | None:
@@ -102,6 +106,8 @@ def _check_model(config: JobConfig) -> None:
     import_model_modules(config.model.modules)
     spec = get_model_spec(config.model.name)
     args = resolve_model_args(spec, config.model)
+    if config.parallelism.pipeline_parallel_degree > 1:
+        _check_pipeline(config, spec)
     tp = config.parallelism.tensor_parallel_degree
     heads = {"n_heads": getattr(args, "n_heads", None), "n_kv_heads": getattr(args, "num_kv_heads", None)}
     for field, count in heads.items():
@@ -118,9 +124,46 @@ def _check_supported(config: JobConfig) -> None:
     p = config.parallelism
     unsupported = [
         (p.context_parallel_degree > 1, "[parallelism] context_parallel_degree > 1"),
-        (p.pipeline_parallel_degree > 1, "[parallelism] pipeline_parallel_degree > 1"),
         (config.checkpoint.enable, "[checkpoint] enable = true"),
     ]
     for bad, what in unsupported:
         if bad:
             raise ConfigError(f"{what}: not supported by this version of the trainer yet")
+
+
+def _check_pipeline(config: JobConfig, spec) -> None:
+    """Split points, stage counts and the schedule's own rules, on a meta-device model."""
+    from trainer.model_parts import build_model, pipeline_plan
+    from trainer.parallel.pipeline_split import V_SCHEDULES
+    from trainer.parallel.schedule_sim import check_csv, check_schedule
+
+    p = config.parallelism
+    plan = pipeline_plan(config, spec, build_model(config, spec))
+    n_micro = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+    zero_bubble = plan.schedule in ("InterleavedZeroBubble",) + V_SCHEDULES
+    ac = config.activation_checkpoint
+    if zero_bubble and ac.mode == "selective" and ac.selective_ac_option == "op":
+        raise ConfigError(
+            f"[activation_checkpoint] selective_ac_option='op' cannot be used with [parallelism]"
+            f" pipeline_parallel_schedule={plan.schedule}: zero-bubble schedules run backward in two passes and"
+            " per-op selective checkpointing allows one; use mode = full, or selective_ac_option = an integer"
+        )
+    if plan.schedule == "csv":
+        check_csv(p.pipeline_parallel_schedule_csv, plan.pp, plan.num_stages, n_micro)
+    else:
+        check_schedule(plan.schedule, plan.pp, n_micro, plan.stages_per_rank)
+    if n_micro < plan.num_stages and (n_micro, plan.num_stages) not in _WARNED:
+        _WARNED.add((n_micro, plan.num_stages))
+        logger.warning(
+            "[parallelism] %d microbatches for %d stages: the pipeline never fills (expected bubble %.0f%%);"
+            " raise [training] local_batch_size or lower pipeline_parallel_microbatch_size",
+            n_micro, plan.num_stages, 100 * bubble_fraction_or_nan(plan, n_micro),
+        )
+
+
+def bubble_fraction_or_nan(plan, n_micro: int) -> float:
+    from trainer.parallel.schedule_sim import bubble_fraction
+
+    if plan.schedule == "csv":
+        return float("nan")
+    return bubble_fraction(plan.schedule, plan.pp, n_micro, plan.stages_per_rank)

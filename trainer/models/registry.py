@@ -35,7 +35,9 @@ class ModelSpec:
     """Top-level modules that run before the blocks (kept by the first pipeline stage)."""
     post_layers: tuple[str, ...] = ("norm", "output")
     """Top-level modules that run after the blocks (kept by the last pipeline stage)."""
-    extra: dict = field(default_factory=dict)
+    tied_weights: dict[str, str] = field(default_factory=dict)
+    """With tied embeddings: {alias: canonical} parameter names that are one weight (pipeline
+    stages hold one copy each, initialised under the canonical name)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

@@ -10,21 +10,33 @@ from torch.distributed.tensor import DTensor
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    pp_group: dist.ProcessGroup | None = None,
+    not_in_norm: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale gradients so their global 2-norm is at most ``max_norm`` (0 = never); return the norm.
 
     Gradients are grouped by layout: DTensor groups (FSDP and/or TP shards) reduce over their
     own mesh when their norm is materialised; plain tensors are the same on every rank that
     holds them and count once. With pipelining, each stage holds different parameters, so the
-    squared norms are summed over ``pp_group`` too. The result equals the single-process norm.
+    squared norms are summed over ``pp_group`` too. ``not_in_norm``: second copies of a tied
+    weight, clipped like the rest but not counted twice. The result equals the single-process norm.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    skip = {id(p) for p in not_in_norm}
+    params = [p for p in parameters if p.grad is not None]
     by_layout: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
+    for p in params:
+        g = p.grad
         by_layout[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    counted: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if id(p) not in skip:
+            g = p.grad
+            counted[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
     squares = []
-    for group in by_layout.values():
+    for group in counted.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()

@@ -1,7 +1,7 @@
 """The built-in Llama 3 family, registered as ``[model] name = "llama3"``."""
 
 from trainer.models.llama.args import FLAVORS, LlamaArgs
-from trainer.models.llama.model import Transformer, llama_flops_per_token
+from trainer.models.llama.model import TIED_WEIGHTS, Transformer, llama_flops_per_token
 from trainer.models.llama.parallelize import build_tp_plan
 from trainer.models.registry import ModelSpec, register_model
 
@@ -12,6 +12,7 @@ register_model(
         flavors=FLAVORS,
         flops_per_token=llama_flops_per_token,
         build_tp_plan=build_tp_plan,
+        tied_weights=TIED_WEIGHTS,
     )
 )
 

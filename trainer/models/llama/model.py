@@ -15,6 +15,12 @@ from trainer.models.init import InitFn, constant_, init_param_, normal_
 from trainer.models.llama.args import LlamaArgs
 
 
+# With tie_embeddings, the output projection is the embedding matrix. A pipeline stage that
+# holds only the output projection initialises it under the embedding's name, so both copies
+# start equal.
+TIED_WEIGHTS = {"output.weight": "tok_embeddings.weight"}
+
+
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
     """(max_seq_len, head_dim // 2, 2) table of (cos, sin) for each position and frequency."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
@@ -124,6 +130,8 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter this (possibly partial, possibly sharded) model holds."""
         for name, param in self.named_parameters():
+            if self.args.tie_embeddings:
+                name = TIED_WEIGHTS.get(name, name)
             init_param_(param, name, seed, self.init_fn(name))
         self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
 

@@ -1,0 +1,193 @@
+"""Pipeline planning without a process group: split generation, validation, placement, bubble, dry run."""
+
+import pytest
+import torch
+
+from trainer.config import load_config
+from trainer.errors import ConfigError
+from trainer.model_parts import build_model, pipeline_plan
+from trainer.models import get_model_spec
+from trainer.parallel.pipeline_split import balanced_split, module_costs, stage_costs
+from trainer.parallel.schedule_sim import bubble_fraction, check_csv, timeline
+from trainer.plan import describe_plan
+
+LLAMA = get_model_spec("llama3")
+
+
+def plan_for(*args):
+    config = load_config(overrides=list(args))
+    return pipeline_plan(config, LLAMA, build_model(config, LLAMA))
+
+
+def pp(n, *args):
+    return ["--parallelism.pipeline_parallel_degree", str(n), *args]
+
+
+# -- cost-balanced against even splits on real shapes --------------------------------------------
+
+def imbalance(costs):
+    return max(costs) / (sum(costs) / len(costs))
+
+
+@pytest.mark.parametrize("stages", [4, 8])
+@pytest.mark.parametrize("mode", ["flops", "params"])
+def test_cost_balanced_split_beats_even_split_on_8b(stages, mode):
+    """Llama 3 8B with its 128k vocabulary: the embedding and output projection are each worth
+    more than two blocks of parameters, and the output about two and a half blocks of FLOPs."""
+    config = load_config(overrides=["--model.flavor", "8B", "--training.seq_len", "8192"])
+    model = build_model(config, LLAMA)
+    pre, blocks, post = module_costs(model, layers_attr="layers", pre=LLAMA.pre_layers, post=LLAMA.post_layers,
+                                     mode=mode, seq_len=8192)
+    even = [32 // stages] * stages
+    balanced = balanced_split(pre, blocks, post, stages)
+    even_costs = stage_costs(pre, blocks, post, even)
+    balanced_costs = stage_costs(pre, blocks, post, balanced)
+    print(f"\n8B {mode} on {stages} stages")
+    print("  even     ", even, [f"{c:.3g}" for c in even_costs], f"max/mean {imbalance(even_costs):.3f}")
+    print("  balanced ", balanced, [f"{c:.3g}" for c in balanced_costs], f"max/mean {imbalance(balanced_costs):.3f}")
+    assert sum(balanced) == 32 and min(balanced) >= 1
+    assert imbalance(balanced_costs) < imbalance(even_costs)
+    # The first and last stages carry embedding/output, so they get fewer blocks in params mode.
+    if mode == "params":
+        assert balanced[0] < 32 // stages and balanced[-1] < 32 // stages
+
+
+def test_balanced_split_is_optimal_on_a_small_case():
+    # Blocks 1..6 after a head of cost 3, in 3 stages: total 24, and the last stage holds block 6
+    # alone or with 5 (11), so the optimum is 9: [3+1+2+3 | 4+5 | 6].
+    counts = balanced_split(3.0, [1, 2, 3, 4, 5, 6], 0.0, 3)
+    assert counts == [3, 2, 1]
+    assert stage_costs(3.0, [1, 2, 3, 4, 5, 6], 0.0, counts) == [9.0, 9.0, 6.0]
+
+
+def test_even_mode_with_embedding_and_output_weights():
+    # 6 layers, pp 2 x 1 stage; the embedding counts as 2 layers, the output as 0: stage 0 gets 2.
+    plan = plan_for(*pp(2, "--parallelism.pipeline_parallel_split_mode", "even",
+                        "--parallelism.pipeline_parallel_embedding_weight", "2",
+                        "--parallelism.pipeline_parallel_output_weight", "0"))
+    assert [len(s.blocks) for s in plan.stages] == [2, 4]
+    plain = plan_for(*pp(2, "--parallelism.pipeline_parallel_split_mode", "even"))
+    assert [len(s.blocks) for s in plain.stages] == [3, 3]
+
+
+# -- manual split points ------------------------------------------------------------------------
+
+def test_manual_split_points():
+    plan = plan_for(*pp(2, "--parallelism.pipeline_parallel_split_points", "layers.4"))
+    assert [s.blocks for s in plan.stages] == [("0", "1", "2", "3"), ("4", "5")]
+    assert plan.stages[0].first and plan.stages[1].last and plan.split_points() == ["layers.4"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (pp(2, "--parallelism.pipeline_parallel_split_points", "layers.9"),
+         "'layers.9' cannot start a stage (valid: layers.1, layers.2, layers.3, layers.4, layers.5)"),
+        (pp(2, "--parallelism.pipeline_parallel_split_points", "layers.0"), "'layers.0' cannot start a stage"),
+        (pp(2, "--parallelism.pipeline_parallel_split_points", "norm"), "'norm' cannot start a stage"),
+        (pp(2, "--parallelism.pipeline_parallel_split_points", "layers.3,layers.1,layers.2",
+            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"), "must be distinct and in model order"),
+        (pp(2, "--parallelism.pipeline_parallel_split_points", "layers.1,layers.2"),
+         "pipeline_parallel_degree=2 must divide the number of stages 3 (from split points)"),
+        (pp(2, "--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.3"),
+         "schedule=1F1B runs one stage per rank, but there are 4 stages for 2 ranks"),
+        (pp(2, "--parallelism.pipeline_parallel_split_points", "layers.3",
+            "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"), "needs at least 2 stages per rank"),
+        (pp(2, "--parallelism.pipeline_parallel_layers_per_stage", "1",
+            "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"), "needs exactly 2 stages per rank, got 3"),
+        (pp(4, "--parallelism.pipeline_parallel_schedule", "DualPipeV"),
+         "pipeline_parallel_degree=4: 8 stages (2 per rank) but the model has only 6 layers"),
+        (pp(2, "--parallelism.pipeline_parallel_schedule", "ZeroBubbleV"), "unknown schedule 'ZeroBubbleV'"),
+        (pp(2, "--parallelism.pipeline_parallel_schedule", "1f1b_"), "did you mean '1F1B'"),
+        (pp(2, "--parallelism.pipeline_parallel_microbatch_size", "3"),
+         "pipeline_parallel_microbatch_size=3 must divide [training] local_batch_size=8"),
+        (pp(2, "--parallelism.pipeline_parallel_schedule", "DualPipeV", "--training.local_batch_size", "2"),
+         "DualPipeV requires at least as many microbatches as stages"),
+        (pp(2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--activation_checkpoint.mode",
+            "selective", "--activation_checkpoint.selective_ac_option", "op"), "selective_ac_option='op' cannot"),
+    ],
+)
+def test_pipeline_config_errors(args, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=args)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+# -- stages per rank and placement ------------------------------------------------------------------
+
+def test_stages_per_rank_by_schedule():
+    assert plan_for(*pp(2)).stages_per_rank == 1
+    assert plan_for(*pp(2, "--parallelism.pipeline_parallel_schedule", "interleaved1f1b")).stages_per_rank == 2
+
+
+def test_layers_per_stage_handles_uneven_counts():
+    # 7 layers, 2 per stage -> 4 stages on 2 ranks; one stage gets a single layer.
+    plan = plan_for(*pp(2, "--model.overrides.n_layers", "7", "--parallelism.pipeline_parallel_layers_per_stage", "2",
+                        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                        "--parallelism.pipeline_parallel_split_mode", "even",
+                        "--parallelism.pipeline_parallel_embedding_weight", "0",
+                        "--parallelism.pipeline_parallel_output_weight", "0"))
+    assert plan.num_stages == 4 and sorted(len(s.blocks) for s in plan.stages) == [1, 2, 2, 2]
+    # 6 layers, 2 per stage -> 3 stages, rounded up to 4 so both ranks hold 2.
+    plan = plan_for(*pp(2, "--parallelism.pipeline_parallel_layers_per_stage", "2",
+                        "--parallelism.pipeline_parallel_schedule", "LoopedBFS"))
+    assert plan.num_stages == 4
+
+
+def test_loop_and_v_placement():
+    loop = plan_for(*pp(2, "--model.overrides.n_layers", "8", "--parallelism.pipeline_parallel_layers_per_stage", "2",
+                        "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"))
+    assert loop.style == "loop" and [loop.stage_ids(r) for r in range(2)] == [[0, 2], [1, 3]]
+    v = plan_for(*pp(2, "--model.overrides.n_layers", "8", "--parallelism.pipeline_parallel_schedule", "DualPipeV"))
+    assert v.style == "v" and [v.stage_ids(r) for r in range(2)] == [[0, 3], [1, 2]]
+    assert v.rank_of_stage(3) == 0  # the last stage sits with the first: tied weights need no communication
+
+
+# -- schedules: bubble and CSV --------------------------------------------------------------------
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 32)])
+def test_bubble_matches_closed_forms(p, m):
+    assert bubble_fraction("GPipe", p, m, 1) == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble_fraction("1F1B", p, m, 1) == pytest.approx((p - 1) / (m + p - 1))
+    # Interleaving v stages per rank divides the fill/drain by v.
+    assert bubble_fraction("Interleaved1F1B", p, m, 2) == pytest.approx((p - 1) / (2 * m + p - 1))
+    zb = bubble_fraction("ZBVZeroBubble", p, m, 2)
+    assert 0 <= zb < bubble_fraction("Interleaved1F1B", p, m, 2)
+
+
+def test_timeline_lists_every_action():
+    text = timeline("ZBVZeroBubble", 2, 4, 2)
+    rank0 = text.splitlines()[0].split()[2:]
+    assert rank0[:3] == ["0F0", "0F1", "0F2"] and len(rank0) == 2 * 3 * 4  # 2 stages x (F, I, W) x 4
+
+
+def test_csv_schedule_checks(tmp_path):
+    good = tmp_path / "s.csv"
+    good.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    check_csv(str(good), 2, 2, 2)
+    with pytest.raises(ConfigError, match="has 2 rows, one per pipeline rank is needed \\(4\\)"):
+        check_csv(str(good), 4, 2, 2)
+    with pytest.raises(ConfigError, match="microbatches \\[0, 1\\], but the job has 4"):
+        check_csv(str(good), 2, 2, 4)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,zz\n1F0\n")
+    with pytest.raises(ConfigError, match="'zz' is not an action"):
+        check_csv(str(bad), 2, 2, 1)
+
+
+# -- the dry run ---------------------------------------------------------------------------------
+
+def test_dry_run_plans_8b_on_64_ranks(tmp_path):
+    config = load_config("configs/llama3_8b.toml", [
+        "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+        "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full",
+        "--job.dump_folder", str(tmp_path),
+    ])
+    text = describe_plan(config, 64)
+    assert "dp_shard 16 * cp 1 * tp 1 * pp 4 = 64 ranks" in text
+    assert "ZBVZeroBubble, 8 stages, 2 per rank, V placement, 8 microbatches" in text
+    assert "expected bubble 5.9%" in text
+    assert "0      0        tok_embeddings, layers.0-3" in text
+    assert "7      0        layers.29-31, norm, output" in text
+    assert (tmp_path / "pipeline_schedule.txt").read_text().startswith("rank 0: 0F0")
+    assert torch.distributed.is_initialized() is False  # no process group was needed

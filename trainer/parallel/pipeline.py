@@ -1,0 +1,83 @@
+"""Pipeline parallelism at run time: model chunks, PipelineStages and the schedule.
+
+A chunk is the family's model class built whole on the meta device with the parts its stage
+does not own removed, so parameter names are those of the whole model.
+"""
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+    get_schedule_class,
+)
+
+from trainer.models import ModelSpec
+from trainer.parallel.pipeline_split import PipelinePlan, Stage
+
+logger = logging.getLogger(__name__)
+
+
+def build_chunk(make_model: Callable[[], nn.Module], spec: ModelSpec, stage: Stage) -> nn.Module:
+    """The model with only ``stage``'s modules left (built on the meta device by ``make_model``)."""
+    chunk = make_model()
+    if not stage.first:
+        for name in spec.pre_layers:
+            setattr(chunk, name, None)
+    if not stage.last:
+        for name in spec.post_layers:
+            setattr(chunk, name, None)
+    layers = getattr(chunk, spec.layers_attr)
+    for key in list(layers.keys()):
+        if key not in stage.blocks:
+            del layers[key]
+    return chunk
+
+
+def build_schedule(
+    plan: PipelinePlan,
+    chunks: list[nn.Module],
+    stage_ids: list[int],
+    *,
+    pp_mesh: DeviceMesh,
+    device: torch.device,
+    n_microbatches: int,
+    loss_fn: Callable,
+    csv_path: str = "",
+) -> _PipelineSchedule:
+    """PipelineStages for this rank's chunks, driven by the configured schedule.
+
+    ``scale_grads=False``: the loss function already divides by the step's token count, so
+    the schedule must not divide by the number of microbatches again.
+    """
+    group = pp_mesh.get_group()
+    stages = [
+        PipelineStage(chunk, stage_index=sid, num_stages=plan.num_stages, device=device, group=group)
+        for chunk, sid in zip(chunks, stage_ids)
+    ]
+    if plan.schedule == "csv":
+        schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        schedule._load_csv(csv_path)
+        return schedule
+    cls = get_schedule_class(plan.schedule)
+    if issubclass(cls, PipelineScheduleSingle):
+        return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def run_schedule(schedule: _PipelineSchedule, inputs: torch.Tensor, labels: torch.Tensor, *,
+                 has_first: bool, has_last: bool) -> list[torch.Tensor]:
+    """One forward/backward over a batch; returns the per-microbatch losses (last stage only)."""
+    losses: list[torch.Tensor] = []
+    args = (inputs,) if has_first else ()
+    if has_last:
+        schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+    else:
+        schedule.step(*args, return_outputs=False)
+    return losses

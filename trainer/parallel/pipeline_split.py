@@ -1,0 +1,209 @@
+"""Where the model is cut into pipeline stages, and which rank runs which stage.
+
+Pure functions of the config and the (meta-device) model: the dry run, the validation and the
+real run all use them. A stage is a contiguous run of blocks; the first stage also holds the
+modules before the blocks (embeddings), the last those after (final norm, output projection).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from trainer.errors import ConfigError
+
+SINGLE_STAGE = ("GPipe", "1F1B")
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = SINGLE_STAGE + MULTI_STAGE
+KEY = "[parallelism] pipeline_parallel_"
+
+
+def canonical_schedule(name: str) -> str:
+    for known in SCHEDULES:
+        if known.lower() == name.lower():
+            return known
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), [s.lower() for s in SCHEDULES], n=1)
+    hint = next((f"; did you mean '{s}'?" for s in SCHEDULES if close and s.lower() == close[0]), "")
+    raise ConfigError(f"{KEY}schedule: unknown schedule {name!r}{hint} (schedules: {', '.join(SCHEDULES)})")
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    blocks: tuple[str, ...]  # keys of the layers ModuleDict, e.g. ("0", "1")
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The stages, their placement on pipeline ranks, and the schedule that drives them."""
+
+    stages: tuple[Stage, ...]
+    pp: int
+    schedule: str  # canonical torch name, or "csv"
+    style: Literal["loop", "v"]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // self.pp
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """Stages held by ``pp_rank``: loop = r, r+pp, ...; V = r and 2pp-1-r."""
+        if self.style == "v":
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + i * self.pp for i in range(self.stages_per_rank)]
+
+    def rank_of_stage(self, stage: int) -> int:
+        return next(r for r in range(self.pp) if stage in self.stage_ids(r))
+
+    def split_points(self, layers_attr: str = "layers") -> list[str]:
+        return [f"{layers_attr}.{s.blocks[0]}" for s in self.stages[1:]]
+
+
+def module_costs(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], post: tuple[str, ...],
+                 mode: Literal["flops", "params"], seq_len: int) -> tuple[float, list[float], float]:
+    """(cost of pre-layers, cost of each block, cost of post-layers) of a meta-device model.
+
+    params: number of parameters (memory). flops: forward FLOPs per token, 2 per weight of each
+    Linear (embedding lookups are free) plus attention scores, 4 * dim * seq_len per block
+    when the model's args have a ``dim``.
+    """
+
+    def cost(modules: list[nn.Module], is_block: bool) -> float:
+        if mode == "params":
+            return float(sum(p.numel() for m in modules for p in m.parameters()))
+        total = 0.0
+        for m in modules:
+            total += sum(2.0 * sub.weight.numel() for sub in m.modules() if isinstance(sub, nn.Linear))
+        dim = getattr(getattr(model, "args", None), "dim", None)
+        if is_block and dim:
+            total += 4.0 * dim * seq_len
+        return total
+
+    blocks = getattr(model, layers_attr)
+    pre_cost = cost([getattr(model, n) for n in pre if getattr(model, n, None) is not None], False)
+    post_cost = cost([getattr(model, n) for n in post if getattr(model, n, None) is not None], False)
+    return pre_cost, [cost([b], True) for b in blocks.values()], post_cost
+
+
+def balanced_split(pre: float, blocks: list[float], post: float, num_stages: int) -> list[int]:
+    """Block counts per stage minimising the most expensive stage (pre on the first, post on the last).
+
+    Exact dynamic programme over contiguous partitions; every stage gets at least one block.
+    """
+    n = len(blocks)
+    prefix = [0.0]
+    for c in blocks:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][i]: smallest max-stage-cost putting blocks[:i] into stages 0..s-1
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n - (num_stages - s) + 1):
+            for j in range(s - 1, i):
+                c = prefix[i] - prefix[j] + (pre if s == 1 else 0.0) + (post if s == num_stages else 0.0)
+                value = max(best[s - 1][j], c)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    counts, i = [], n
+    for s in range(num_stages, 0, -1):
+        counts.append(i - cut[s][i])
+        i = cut[s][i]
+    return counts[::-1]
+
+
+def stage_costs(pre: float, blocks: list[float], post: float, counts: list[int]) -> list[float]:
+    out, start = [], 0
+    for s, c in enumerate(counts):
+        out.append(sum(blocks[start:start + c]) + (pre if s == 0 else 0.0) + (post if s == len(counts) - 1 else 0.0))
+        start += c
+    return out
+
+
+def num_stages_for(parallelism, schedule: str, n_layers: int) -> int:
+    """Total stages: from split points, from layers per stage, or 1 / 2 per rank by schedule type."""
+    pp = parallelism.pipeline_parallel_degree
+    if parallelism.pipeline_parallel_split_points:
+        return len(parallelism.pipeline_parallel_split_points) + 1
+    if parallelism.pipeline_parallel_layers_per_stage is not None:
+        # Uneven counts are fine: round up to whole stages, then to a multiple of pp so every
+        # rank holds as many stages; the split then balances layers over them.
+        stages = math.ceil(n_layers / parallelism.pipeline_parallel_layers_per_stage)
+        return math.ceil(stages / pp) * pp
+    return pp if schedule in SINGLE_STAGE else 2 * pp
+
+
+def build_pipeline_plan(parallelism, model: nn.Module, *, layers_attr: str, pre: tuple[str, ...],
+                        post: tuple[str, ...], seq_len: int) -> PipelinePlan:
+    """Validate the pipeline keys against the model and decide every stage's blocks."""
+    pp = parallelism.pipeline_parallel_degree
+    csv = bool(parallelism.pipeline_parallel_schedule_csv)
+    schedule = "csv" if csv else canonical_schedule(parallelism.pipeline_parallel_schedule)
+    block_keys = list(getattr(model, layers_attr).keys())
+    n_layers = len(block_keys)
+    points = parallelism.pipeline_parallel_split_points
+    if points:
+        # A stage starts at any block but the first (stage 0 starts at the beginning).
+        starts = [f"{layers_attr}.{k}" for k in block_keys[1:]]
+        shown = ", ".join(starts) if len(starts) <= 12 else ", ".join(starts[:4] + ["..."] + starts[-2:])
+        index = {name: i + 1 for i, name in enumerate(starts)}
+        for name in points:
+            if name not in index:
+                raise ConfigError(f"{KEY}split_points: {name!r} cannot start a stage (valid: {shown})")
+        positions = [index[n] for n in points]
+        if positions != sorted(set(positions)):
+            raise ConfigError(f"{KEY}split_points: {points} must be distinct and in model order")
+    num_stages = num_stages_for(parallelism, "Interleaved1F1B" if csv else schedule, n_layers)
+    source = "split points" if parallelism.pipeline_parallel_split_points else "stages"
+    if num_stages % pp:
+        raise ConfigError(
+            f"{KEY}degree={pp} must divide the number of stages {num_stages} (from {source}); "
+            f"each rank holds the same number of stages"
+        )
+    per_rank = num_stages // pp
+    if schedule in SINGLE_STAGE and per_rank != 1:
+        raise ConfigError(
+            f"{KEY}schedule={schedule} runs one stage per rank, but there are {num_stages} stages for"
+            f" {pp} ranks; use a multi-stage schedule (e.g. Interleaved1F1B) or {pp - 1} split points"
+        )
+    if schedule in MULTI_STAGE and per_rank < 2:
+        raise ConfigError(
+            f"{KEY}schedule={schedule} needs at least 2 stages per rank, got {num_stages} stages for {pp} ranks;"
+            f" give {2 * pp - 1} split points or set pipeline_parallel_layers_per_stage"
+        )
+    if schedule in V_SCHEDULES and per_rank != 2:
+        raise ConfigError(f"{KEY}schedule={schedule} needs exactly 2 stages per rank, got {per_rank}")
+    if num_stages > n_layers:
+        raise ConfigError(
+            f"{KEY}degree={pp}: {num_stages} stages ({per_rank} per rank) but the model has only {n_layers} layers"
+        )
+
+    if points:
+        bounds = [0] + positions + [n_layers]
+        counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    else:
+        mode = parallelism.pipeline_parallel_split_mode
+        if mode == "even":
+            pre_c, block_c, post_c = (parallelism.pipeline_parallel_embedding_weight, [1.0] * n_layers,
+                                      parallelism.pipeline_parallel_output_weight)
+        else:
+            pre_c, block_c, post_c = module_costs(model, layers_attr=layers_attr, pre=pre, post=post,
+                                                  mode=mode, seq_len=seq_len)
+        counts = balanced_split(pre_c, block_c, post_c, num_stages)
+    stages, start = [], 0
+    for s, c in enumerate(counts):
+        stages.append(Stage(s, tuple(block_keys[start:start + c]), s == 0, s == num_stages - 1))
+        start += c
+    style = "v" if schedule in V_SCHEDULES else "loop"
+    return PipelinePlan(tuple(stages), pp, schedule, style)

@@ -1,0 +1,148 @@
+"""Pipeline schedules without a process group: torch's own constraints, action lists, bubble.
+
+torch ships the action lists of its schedules through a private helper
+(``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``); this module is the
+only place that calls it, so a change in torch breaks one function with a clear test.
+"""
+
+from functools import cache
+
+from trainer.errors import ConfigError
+
+# Relative compute cost of an action on one stage: backward is twice forward; a split
+# backward is half for the input gradient and half for the weight gradient.
+COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@cache
+def schedule_ops(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[list]:
+    """Each pipeline rank's ordered compute actions (torch _Action objects; None = idle slot)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    return get_schedule_ops(schedule, pp, n_microbatches, num_stages_per_rank=stages_per_rank)
+
+
+def check_schedule(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> None:
+    """Raise a ConfigError when torch would reject this schedule configuration."""
+    try:
+        schedule_ops(schedule, pp, n_microbatches, stages_per_rank)
+    except (ValueError, AssertionError, RuntimeError) as e:
+        raise ConfigError(
+            f"[parallelism] pipeline_parallel_schedule={schedule} with {n_microbatches} microbatches"
+            f" ([training] local_batch_size / pipeline_parallel_microbatch_size) on {pp} ranks x"
+            f" {stages_per_rank} stages: {str(e).strip().splitlines()[0]}"
+        ) from None
+
+
+def check_csv(path: str, pp: int, num_stages: int, n_microbatches: int) -> None:
+    """The CSV (one row of actions like 0F0,2B1 per rank) must match the job's ranks, stages, microbatches."""
+    import re
+
+    key = "[parallelism] pipeline_parallel_schedule_csv"
+    try:
+        rows = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}: cannot read {path}: {e}") from None
+    if len(rows) != pp:
+        raise ConfigError(f"{key}: {path} has {len(rows)} rows, one per pipeline rank is needed ({pp})")
+    stages, mbs = set(), set()
+    for r, row in enumerate(rows):
+        for cell in row.split(","):
+            m = re.fullmatch(r"\s*(\d+)\s*(F|B|I|W)\s*(\d+)\s*", cell)
+            if m is None:
+                raise ConfigError(f"{key}: {path} row {r + 1}: {cell!r} is not an action like 0F1 (stage, F/B/I/W, microbatch)")
+            stages.add(int(m.group(1)))
+            mbs.add(int(m.group(3)))
+    if stages != set(range(num_stages)):
+        raise ConfigError(f"{key}: {path} uses stages {sorted(stages)}, but the job has stages 0..{num_stages - 1}")
+    if mbs != set(range(n_microbatches)):
+        raise ConfigError(
+            f"{key}: {path} uses microbatches {sorted(mbs)}, but the job has {n_microbatches}"
+            " ([training] local_batch_size / pipeline_parallel_microbatch_size)"
+        )
+
+
+def _flatten(action) -> list[tuple[str, int, int]]:
+    if action is None:
+        return []
+    if action.sub_actions:
+        return [x for sub in action.sub_actions for x in _flatten(sub)]
+    kind = action.computation_type.value
+    if kind not in COST:  # communication, resharding, gradient reduction: not compute
+        return []
+    return [(kind, action.stage_index, action.microbatch_index)]
+
+
+def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
+    """(makespan, busy time summed over ranks) running each rank's actions in order.
+
+    An action starts when its rank is free and its inputs exist: a forward needs the previous
+    stage's forward of the microbatch, a backward needs its own forward and the next stage's
+    backward, a weight gradient its own input gradient. Communication is free.
+    """
+    queues = [[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops]
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * len(queues)
+    pos = [0] * len(queues)
+
+    def ready(kind: str, stage: int, mb: int) -> float | None:
+        needs = []
+        if kind == "F" and stage > 0:
+            needs.append([("F", stage - 1, mb)])
+        if kind in ("B", "I"):
+            needs.append([("F", stage, mb)])
+            if stage < num_stages - 1:
+                needs.append([("B", stage + 1, mb), ("I", stage + 1, mb)])
+        if kind == "W":
+            needs.append([("I", stage, mb)])
+        times = []
+        for alternatives in needs:
+            hit = [done[k] for k in alternatives if k in done]
+            if not hit:
+                return None
+            times.append(min(hit))
+        return max(times, default=0.0)
+
+    busy = 0.0
+    remaining = sum(len(q) for q in queues)
+    while remaining:
+        progressed = False
+        for r, queue in enumerate(queues):
+            while pos[r] < len(queue):
+                kind, stage, mb = queue[pos[r]]
+                at = ready(kind, stage, mb)
+                if at is None:
+                    break
+                cost = COST[kind] / (num_stages // len(queues))  # a stage is 1/v of a rank's layers
+                clock[r] = max(clock[r], at) + cost
+                done[(kind, stage, mb)] = clock[r]
+                busy += cost
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline schedule simulation deadlocked")
+    return max(clock), busy
+
+
+def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> float:
+    """Expected idle fraction of the pipeline ranks' time (compute costs: F=1, B=2, I=W=1)."""
+    if pp == 1:
+        return 0.0
+    if schedule in ("GPipe", "1F1B"):
+        # Fill and drain: p - 1 slots of (F + B) idle out of m + p - 1.
+        return (pp - 1) / (n_microbatches + pp - 1)
+    makespan, busy = simulate(schedule_ops(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank)
+    return 1.0 - busy / (pp * makespan)
+
+
+def timeline(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> str:
+    """Text rendering of each rank's action order (stage, kind, microbatch), e.g. '0F0 0F1 3F0 ...'."""
+    if schedule in ("GPipe", "1F1B"):
+        return f"{schedule}: each rank runs forwards then backwards of {n_microbatches} microbatches in order\n"
+    ops = schedule_ops(schedule, pp, n_microbatches, stages_per_rank)
+    lines = []
+    for r, rank_ops in enumerate(ops):
+        cells = [f"{s}{k}{m}" for a in rank_ops for (k, s, m) in _flatten(a)]
+        lines.append(f"rank {r}: " + " ".join(cells))
+    return "\n".join(lines) + "\n"
