@@ -45,25 +45,35 @@ json.dump({{"step_times": r.step_times, "mem": memory_gib(dev)[0]}}, open(sys.ar
 '''
 
 
+def launch_job(nproc: int, args: list[str], tmp: Path, tag: str, threads: int | None = None) -> list[dict]:
+    """Train with ``args`` on ``nproc`` processes; every rank's step times and peak memory.
+
+    ``threads`` per process defaults to the cores divided among the processes.
+    """
+    worker = tmp / "worker.py"
+    worker.write_text(WORKER.format(repo=str(REPO)))
+    out = tmp / f"{tag}_"
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    cmd = [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}", str(worker), str(out),
+           *args, "--job.dump_folder", str(tmp / "dump"), "--metrics.no-enable_tensorboard",
+           "--metrics.log_freq", "1000"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    return [json.loads((tmp / f"{out.name}{r}").read_text()) for r in range(nproc)]
+
+
 def run(model: str, layout: str, steps: int, tmp: Path) -> dict:
     flavor, global_batch, seq = MODELS[model]
     nproc, overrides = LAYOUTS[layout]
     dp = nproc // (2 if "TP2" in layout else 1)
-    worker = tmp / "worker.py"
-    worker.write_text(WORKER.format(repo=str(REPO)))
-    out = tmp / f"{model}_{layout}_"
     args = [
         "--model.flavor", flavor, "--training.seq_len", str(seq), "--training.global_batch_size", str(global_batch),
         "--training.local_batch_size", str(global_batch // dp), "--training.steps", str(steps),
-        "--lr_scheduler.warmup_steps", "1", "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000",
-        "--job.dump_folder", str(tmp / "dump"), *overrides,
+        "--lr_scheduler.warmup_steps", "1", *overrides,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    cmd = [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}", str(worker), str(out), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
-    ranks = [json.loads((tmp / f"{out.name}{r}").read_text()) for r in range(nproc)]
+    ranks = launch_job(nproc, args, tmp, f"{model}_{layout}")
     median = statistics.median(ranks[0]["step_times"][2:])
     return {
         "model": model, "layout": layout, "ranks": nproc, "median_step_s": median,

@@ -1,0 +1,69 @@
+"""Pipeline schedules against the ideal: step time per schedule at pp 2 and 4.
+
+    python benchmarks/bench_pipeline.py
+
+A Llama with dim 512 and 8 layers (vocabulary 2048, so the blocks dominate the compute), 8
+sequences of 128 tokens per step split into 8 microbatches. Every process gets one thread;
+the single-process step (also one thread) divided by pp is the ideal. The theoretical bubble
+comes from trainer.parallel.schedule_sim (F=1, B=2, I=W=1, no communication), so the
+expected time is ideal / (1 - bubble). With more ranks than cores (pp 4 on a 2-core machine)
+the ranks share cores and the measured time cannot reach the ideal.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_parallel import launch_job  # noqa: E402
+
+from trainer.parallel.pipeline_split import SINGLE_STAGE  # noqa: E402
+from trainer.parallel.schedule_sim import bubble_fraction  # noqa: E402
+
+MODEL = [
+    "--model.overrides.dim", "512", "--model.overrides.n_layers", "8", "--model.overrides.n_heads", "8",
+    "--model.overrides.n_kv_heads", "8", "--training.seq_len", "128", "--training.local_batch_size", "8",
+    "--lr_scheduler.warmup_steps", "1",
+]
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
+
+
+def median_step(ranks: list[dict], warmup: int) -> float:
+    return statistics.median(ranks[0]["step_times"][warmup:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        steps = ["--training.steps", str(args.steps)]
+        # One thread, like each pipeline rank: the baseline the ideal is computed from.
+        single = median_step(launch_job(1, MODEL + steps, tmp, "single", threads=1), args.warmup)
+        print(f"single process (1 thread): {single:.3f} s/step\n")
+        print("| pp | schedule | stages/rank | measured step (s) | ideal = single/pp (s) | measured/ideal "
+              "| theoretical bubble | ideal/(1-bubble) (s) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for pp in args.pp:
+            for schedule in args.schedules:
+                spr = 1 if schedule in SINGLE_STAGE else 2
+                overrides = ["--parallelism.pipeline_parallel_degree", str(pp),
+                             "--parallelism.pipeline_parallel_schedule", schedule]
+                ranks = launch_job(pp, MODEL + steps + overrides, tmp, f"{pp}_{schedule}", threads=1)
+                measured = median_step(ranks, args.warmup)
+                ideal = single / pp
+                bubble = bubble_fraction(schedule, pp, 8, spr)
+                print(f"| {pp} | {schedule} | {spr} | {measured:.3f} | {ideal:.3f} | {measured / ideal:.2f} "
+                      f"| {100 * bubble:.1f}% | {ideal / (1 - bubble):.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
