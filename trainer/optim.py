@@ -62,3 +62,56 @@ def lr_factor(step: int, lr_scheduler, steps: int) -> float:
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler, steps: int) -> LambdaLR:
     """Schedule stepped once per optimizer step. LambdaLR's counter starts at 0 for step 1."""
     return LambdaLR(optimizer, lambda i: lr_factor(i + 1, lr_scheduler, steps))
+
+
+class ChunkOptimizers:
+    """One optimizer and LR schedule per model chunk, stepped together.
+
+    Per chunk, so that optimizer state can be keyed by the chunk's (global) parameter names:
+    checkpoints then do not depend on how the model was split.
+    """
+
+    def __init__(self, chunks: list[nn.Module], optimizer, lr_scheduler, steps: int):
+        self.optimizers = [build_optimizer(chunk, optimizer) for chunk in chunks]
+        self.schedulers = [build_lr_scheduler(o, lr_scheduler, steps) for o in self.optimizers]
+        self._lr_scheduler, self._steps = lr_scheduler, steps
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def lr_step(self) -> None:
+        for sched in self.schedulers:
+            sched.step()
+
+    @property
+    def lr(self) -> float:
+        """Learning rate the next step will use."""
+        return self.schedulers[0].get_last_lr()[0]
+
+    def set_schedule_position(self, completed_steps: int) -> None:
+        """Put the LR schedules where they are after ``completed_steps`` optimizer steps."""
+        factor = lr_factor(completed_steps + 1, self._lr_scheduler, self._steps)
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            sched.last_epoch = completed_steps
+            for group, base in zip(opt.param_groups, sched.base_lrs):
+                group["lr"] = base * factor
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create Adam's state (zeros) without changing any parameter, so a checkpoint can load into it."""
+        for opt in self.optimizers:
+            saved = [g["lr"] for g in opt.param_groups]
+            for group in opt.param_groups:
+                group["lr"] = 0.0
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for group, lr in zip(opt.param_groups, saved):
+                group["lr"] = lr

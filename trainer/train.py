@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from trainer.checkpoint import Checkpointer
 from trainer.config import JobConfig, to_toml, validate_config
 from trainer.data import PackedBatchLoader, build_tokenizer, load_documents
 from trainer.env import init_determinism, init_device, init_logging
@@ -25,7 +26,7 @@ from trainer.loss import count_label_tokens
 from trainer.metrics import MetricsLogger, StepStats
 from trainer.model_parts import ModelParts, build_model, build_model_parts
 from trainer.models import get_model_spec
-from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.optim import ChunkOptimizers
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
 from trainer.parallel.pipeline import run_schedule
@@ -58,7 +59,7 @@ def compute_dtype(training, device: torch.device) -> torch.dtype:
 
 
 def train_step(
-    parts: ModelParts, optimizer, microbatches, *, max_norm: float, autocast, loss_context, meshes: Meshes
+    parts: ModelParts, optimizers: ChunkOptimizers, microbatches, *, max_norm: float, autocast, loss_context, meshes: Meshes
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm)."""
     # Token-mean over the global batch: every microbatch's summed loss is divided by the label
@@ -84,8 +85,8 @@ def train_step(
     pp_group = meshes.pp.get_group() if meshes.pp is not None else None
     grad_norm = clip_grad_norm_(parts.chunks.parameters(), max_norm, pp_group=pp_group,
                                 not_in_norm=parts.tied_duplicates())
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizers.step()
+    optimizers.zero_grad()
     # This rank's share of the global token-mean; only ranks holding the last stage have one,
     # so summing over dp and pp gives every rank the global loss.
     total = torch.zeros((), device=num_tokens.device)
@@ -150,8 +151,7 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> Tr
 
     dtype = compute_dtype(config.training, device)
     parts = build_model_parts(config, spec, meshes, device, dtype)
-    optimizer = build_optimizer(parts.chunks, config.optimizer)
-    scheduler = build_lr_scheduler(optimizer, config.lr_scheduler, config.training.steps)
+    optimizers = ChunkOptimizers(list(parts.chunks), config.optimizer, config.lr_scheduler, config.training.steps)
     # FSDP casts parameters itself; without it, autocast does the mixed precision.
     if dtype == torch.float32 or meshes.fsdp is not None:
         autocast = contextlib.nullcontext
@@ -176,35 +176,42 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> Tr
         dp_degree=dims.dp,
         config_toml=config_toml,
     )
+    tied = spec.tied_weights if getattr(parts.chunks[0].args, "tie_embeddings", False) else {}
+    checkpointer = Checkpointer(config.checkpoint, dump_folder=config.job.dump_folder, chunks=parts.chunks,
+                                optimizers=optimizers, loader=loader, tied_names=tied)
+    start_step = checkpointer.load()
     result = TrainResult()
     gc.disable()  # collected every gc_freq steps instead, so pauses happen at known points
     try:
-        for step in range(1, config.training.steps + 1):
+        last_step = min(config.training.steps, config.training.stop_at_step or config.training.steps)
+        for step in range(start_step + 1, last_step + 1):
             if step % config.training.gc_freq == 0:
                 gc.collect(1)
-            lr = scheduler.get_last_lr()[0]
+            lr = optimizers.lr
             start = time.perf_counter()
             microbatches = [(x.to(device), y.to(device)) for x, y in loader.next_step()]
             loss, grad_norm = train_step(
-                parts, optimizer, microbatches, max_norm=config.training.max_norm, autocast=autocast,
+                parts, optimizers, microbatches, max_norm=config.training.max_norm, autocast=autocast,
                 loss_context=loss_context, meshes=meshes,
             )
-            scheduler.step()
+            optimizers.lr_step()
             loss_value, norm_value = loss.item(), grad_norm.item()  # .item() waits for the device
             result.step_times.append(time.perf_counter() - start)
             if not math.isfinite(loss_value):  # the loss is all-reduced: every rank stops here
                 raise TrainingDiverged(
                     f"loss is {loss_value} at step {step}; lower [optimizer] lr or [training] max_norm"
                 )
-            if step == 1 and dims.world_size > 1:
+            if step == start_step + 1 and dims.world_size > 1:
                 set_train_timeout(config.comm.train_timeout_seconds)
             result.losses.append(loss_value)
             result.grad_norms.append(norm_value)
             result.lrs.append(lr)
             tokens = sum(x.numel() for x, _ in microbatches)
             metrics.log(StepStats(step, loss_value, norm_value, lr), tokens)
+            checkpointer.maybe_save(step, last=step == last_step, final=step == config.training.steps)
+        checkpointer.wait()
     finally:
         gc.enable()
         metrics.close()
-    logger.info("training finished after %d steps", config.training.steps)
+    logger.info("training %s after step %d", "finished" if last_step == config.training.steps else "stopped", last_step)
     return result

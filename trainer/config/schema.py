@@ -132,6 +132,8 @@ class Training:
     """Clip the global gradient norm to this value; 0 = no clipping (the norm is still logged)."""
     steps: Annotated[int, Positive] = 10
     """Optimizer steps to train for."""
+    stop_at_step: Annotated[int, Positive] | None = None
+    """End this run after this step (saving a checkpoint if enabled) while the LR schedule still spans steps; for time-limited jobs."""
     mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype: auto = bfloat16 on accelerators, float32 on CPU."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"

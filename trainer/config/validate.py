@@ -82,6 +82,11 @@ def _check_parallelism(config: JobConfig) -> None:
             f"[parallelism] pipeline_parallel_microbatch_size={p.pipeline_parallel_microbatch_size} must divide"
             f" [training] local_batch_size={t.local_batch_size}"
         )
+    from trainer.checkpoint import PARTS
+
+    for name in config.checkpoint.exclude_from_loading:
+        if name not in PARTS:
+            raise ConfigError(f"[checkpoint] exclude_from_loading: unknown part {name!r} (parts: {', '.join(PARTS)})")
     ac = config.activation_checkpoint
     option = ac.selective_ac_option
     if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
@@ -124,7 +129,6 @@ def _check_supported(config: JobConfig) -> None:
     p = config.parallelism
     unsupported = [
         (p.context_parallel_degree > 1, "[parallelism] context_parallel_degree > 1"),
-        (config.checkpoint.enable, "[checkpoint] enable = true"),
     ]
     for bad, what in unsupported:
         if bad:

@@ -1,0 +1,116 @@
+"""Checkpoints: exact resume, resume on another layout, atomic saves under kill -9, retention, errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from tests.distributed.harness import ENV, PARITY, REPO, run_layout
+from trainer.checkpoint import complete_steps
+from trainer.config import load_config
+from trainer.errors import UserError
+from trainer.train import main
+
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "100"]
+
+
+def train(args, dump):
+    return main(load_config(overrides=PARITY + args + ["--job.dump_folder", str(dump)]))
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_exact_resume_single_process(tmp_path, async_mode):
+    args = ["--training.local_batch_size", "8", "--training.steps", "8", "--checkpoint.async_mode", async_mode,
+            "--checkpoint.enable", "--checkpoint.interval", "2"]
+    straight = train(args, tmp_path / "straight")
+    first = train(args + ["--training.stop_at_step", "4"], tmp_path / "resumed")
+    assert complete_steps(tmp_path / "resumed" / "checkpoint") == [2, 4]
+    second = train(args, tmp_path / "resumed")
+    assert first.losses == straight.losses[:4]
+    # Bit for bit: same layout, so every number after the resume is identical.
+    assert second.losses == straight.losses[4:] and second.grad_norms == straight.grad_norms[4:]
+
+
+@pytest.mark.slow
+def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path):
+    P = "--parallelism."
+    layout = ["--model.overrides.n_layers", "4", P + "pipeline_parallel_degree", "2", P + "data_parallel_shard_degree",
+              "2", P + "pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "4",
+              "--training.steps", "6", *CKPT]
+    straight = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
+    run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
+    resumed = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
+    assert resumed["losses"] == straight["losses"][3:] and resumed["grad_norms"] == straight["grad_norms"][3:]
+    # The step-3 checkpoint of PP2 x FSDP2 (4 ranks) resumed by one process: DCP reshards.
+    single = train(["--model.overrides.n_layers", "4", "--training.local_batch_size", "8", "--training.steps", "6",
+                    *CKPT, "--checkpoint.load_step", "3"], tmp_path / "r")
+    assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
+    assert single.grad_norms == pytest.approx(straight["grad_norms"][3:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, mode):
+    args = PARITY + ["--training.local_batch_size", "8", "--training.steps", "6", "--checkpoint.enable",
+                     "--checkpoint.interval", "2", "--checkpoint.async_mode", "async" if mode == "async" else "disabled",
+                     "--job.dump_folder", str(tmp_path / "run")]
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "integration" / "crash_worker.py"), mode, "4", *args],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    folder = tmp_path / "run" / "checkpoint"
+    assert complete_steps(folder) == [2]  # step 4 never became visible
+    assert (folder / "step-4.tmp").exists()
+    resumed = main(load_config(overrides=args))
+    straight = main(load_config(overrides=args[:-1] + [str(tmp_path / "straight")]))
+    assert resumed.losses == straight.losses[2:]  # continued exactly from step 2
+
+
+def test_retention_and_model_only_final_export(tmp_path):
+    args = ["--training.local_batch_size", "8", "--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval",
+            "1", "--checkpoint.keep_latest_k", "2", "--checkpoint.last_save_model_only",
+            "--checkpoint.export_dtype", "bfloat16"]
+    train(args, tmp_path)
+    folder = tmp_path / "checkpoint"
+    assert complete_steps(folder) == [4, 5]
+    final = FileSystemReader(str(folder / "step-5")).read_metadata().state_dict_metadata
+    assert {k.split(".")[0] for k in final} == {"model"}
+    assert all(m.properties.dtype == torch.bfloat16 for m in final.values())
+    full = FileSystemReader(str(folder / "step-4")).read_metadata().state_dict_metadata
+    assert {k.split(".")[0] for k in full} == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+
+
+def test_initial_load_path_and_exclusions(tmp_path):
+    base = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
+    train(base + ["--training.stop_at_step", "2"], tmp_path / "src")
+    src = tmp_path / "src" / "checkpoint" / "step-2"
+    # A new run starting from those weights: same step-1 forward as the source run's step 3 would
+    # see with fresh optimizer and data, i.e. a loss different from a fresh init.
+    fresh = train(base, tmp_path / "fresh")
+    warm = train(base + ["--checkpoint.initial_load_path", str(src)], tmp_path / "warm")
+    assert warm.losses[0] < fresh.losses[0]
+    # Excluding the data position replays the stream from the start on resumed weights.
+    excl = train(base + ["--checkpoint.load_step", "2", "--checkpoint.exclude_from_loading", "dataloader"],
+                 tmp_path / "src")
+    assert len(excl.losses) == 2
+
+
+def test_checkpoint_errors(tmp_path):
+    base = ["--training.local_batch_size", "8", "--training.steps", "2", *CKPT]
+    with pytest.raises(UserError, match=r"load_step=7: no complete checkpoint .*step-7 \(available: none\)"):
+        train(base + ["--checkpoint.load_step", "7"], tmp_path / "a")
+    train(base, tmp_path / "b")
+    with pytest.raises(UserError, match="exclude_from_loading: unknown part 'optimiser'"):
+        load_config(overrides=base + ["--checkpoint.exclude_from_loading", "optimiser"])
+    # A different model shape: one line naming the checkpoint.
+    with pytest.raises(UserError, match=r"cannot load .*step-2 into this model .*another model shape"):
+        train(base + ["--model.overrides.dim", "128", "--checkpoint.load_step", "2",
+                      "--checkpoint.no-last_save_model_only"], tmp_path / "b")
+    # A corrupt checkpoint: the metadata file is garbage.
+    corrupt = tmp_path / "c" / "checkpoint" / "step-1"
+    corrupt.mkdir(parents=True)
+    (corrupt / ".metadata").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match=r"\[checkpoint\] .*step-1 is not a readable checkpoint"):
+        train(base, tmp_path / "c")

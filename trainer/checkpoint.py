@@ -1,0 +1,211 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): save, atomic publish, resume on any layout.
+
+A checkpoint is the folder ``<dump>/<[checkpoint] folder>/step-N``. It is written as
+``step-N.tmp`` and renamed once complete, so a crash or kill during a save never leaves a
+half-written ``step-N``; the previous one stays the latest loadable checkpoint.
+
+Everything is keyed by global parameter names (tied copies under their canonical name) and
+the data position is global, so a checkpoint resumes under any parallel layout: DCP reshards
+model and optimizer state to whatever this run's chunks and shards are.
+"""
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from trainer.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint in ``folder`` (temporary folders are ignored)."""
+    if not folder.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+
+class Checkpointer:
+    """Saves and restores one rank's share of the training state."""
+
+    def __init__(self, checkpoint, *, dump_folder: str, chunks, optimizers, loader, tied_names: dict[str, str]):
+        """``checkpoint`` is the ``[checkpoint]`` section; ``tied_names`` maps alias -> canonical name."""
+        self.cfg = checkpoint
+        self.folder = Path(dump_folder) / checkpoint.folder
+        self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
+        self.aliases = tied_names
+        self.pending = None  # (future, step) of an asynchronous save in flight
+
+    # -- state --------------------------------------------------------------------------------
+    def _canonical(self, key: str) -> str:
+        """``output.weight`` -> ``tok_embeddings.weight`` for tied models, also inside optimizer keys
+        such as ``state.output.weight.exp_avg``."""
+        padded = f".{key}."
+        for alias, canonical in self.aliases.items():
+            padded = padded.replace(f".{alias}.", f".{canonical}.")
+        return padded[1:-1]
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        state = {}
+        for chunk in self.chunks:
+            for key, value in get_model_state_dict(chunk).items():
+                state[self._canonical(key)] = value
+        return state
+
+    def _optimizer_state(self) -> dict[str, object]:
+        state = {}
+        for chunk, opt in zip(self.chunks, self.optimizers.optimizers):
+            for key, value in get_optimizer_state_dict(chunk, opt, options=_OPTIM).items():
+                state[self._canonical(key)] = value
+        return state
+
+    def _state(self, step: int, model_only: bool = False) -> dict[str, object]:
+        state: dict[str, object] = {"model": self._model_state()}
+        if model_only:
+            return state
+        position = self.loader.state_dict()
+        state["optimizer"] = self._optimizer_state()
+        state["lr_scheduler"] = {"completed_steps": torch.tensor(step)}
+        state["dataloader"] = {k: torch.tensor(v) for k, v in position.items()}
+        state["train_state"] = {"step": torch.tensor(step)}
+        return state
+
+    # -- save ---------------------------------------------------------------------------------
+    def maybe_save(self, step: int, *, last: bool, final: bool) -> None:
+        """Save at every ``interval`` and at this run's ``last`` step. At the ``final`` step of
+        training, ``last_save_model_only`` saves the weights alone."""
+        if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
+            return
+        self.wait()  # at most one save in flight: the next waits for the previous
+        model_only = final and self.cfg.last_save_model_only
+        state = self._state(step, model_only=model_only)
+        if model_only and self.cfg.export_dtype != "float32":
+            dtype = _DTYPES[self.cfg.export_dtype]
+            state["model"] = {k: v.to(dtype) for k, v in state["model"].items()}
+        tmp = self.folder / f"step-{step}.tmp"
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        if self.cfg.async_mode == "async" and not last:
+            self.pending = (dcp.async_save(state, checkpoint_id=str(tmp)), step)
+            logger.info("checkpoint step-%d: saving in the background", step)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp))
+            self._publish(step)
+
+    def wait(self) -> None:
+        """Finish an asynchronous save, if one is in flight."""
+        if self.pending is not None:
+            future, step = self.pending
+            future.result()
+            self.pending = None
+            _barrier()  # every rank's files are written before the folder is published
+            self._publish(step)
+
+    def _publish(self, step: int) -> None:
+        if _rank() == 0:
+            final = self.folder / f"step-{step}"
+            shutil.rmtree(final, ignore_errors=True)
+            (self.folder / f"step-{step}.tmp").rename(final)
+            logger.info("checkpoint saved: %s", final)
+            self._purge()
+        _barrier()
+
+    def _purge(self) -> None:
+        keep = self.cfg.keep_latest_k
+        if keep > 0:
+            for old in complete_steps(self.folder)[:-keep]:
+                shutil.rmtree(self.folder / f"step-{old}", ignore_errors=True)
+
+    # -- load ---------------------------------------------------------------------------------
+    def load(self) -> int:
+        """Restore the newest complete checkpoint (or ``load_step``); returns the step it ends, 0 = fresh."""
+        if not self.cfg.enable:
+            return 0
+        steps = complete_steps(self.folder)
+        if self.cfg.load_step != -1:
+            if self.cfg.load_step not in steps:
+                raise UserError(
+                    f"[checkpoint] load_step={self.cfg.load_step}: no complete checkpoint {self.folder}/step-"
+                    f"{self.cfg.load_step} (available: {steps or 'none'})"
+                )
+            return self._load(self.folder / f"step-{self.cfg.load_step}", self.cfg.load_step)
+        if steps:
+            return self._load(self.folder / f"step-{steps[-1]}", steps[-1])
+        if self.cfg.initial_load_path:
+            self._load(Path(self.cfg.initial_load_path), None)
+            return 0
+        return 0
+
+    def _load(self, path: Path, step: int | None) -> int:
+        try:
+            saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        except Exception as e:  # missing or unreadable .metadata
+            raise UserError(f"[checkpoint] {path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
+        parts_in_file = {key.split(".")[0] for key in saved}
+        wanted = [p for p in PARTS if p not in self.cfg.exclude_from_loading]
+        if step is None:  # initial_load_path: weights to start from, not a run to continue
+            wanted = ["model"]
+        missing = [p for p in wanted if p not in parts_in_file]
+        if "model" in missing:
+            raise UserError(f"[checkpoint] {path} holds no model weights")
+        if missing:
+            logger.warning("checkpoint %s has no %s (model-only save); starting those fresh", path, ", ".join(missing))
+        wanted = [p for p in wanted if p in parts_in_file]
+        if "optimizer" in wanted:
+            self.optimizers.init_state()  # Adam's state exists only after a step; DCP loads into it
+        full = self._state(step or 0)
+        state = {k: v for k, v in full.items() if k in wanted}
+        try:
+            dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=False))
+        except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            raise UserError(
+                f"[checkpoint] cannot load {path} into this model ({first[:300]}); was it saved from another"
+                " model shape?"
+            ) from None
+        for chunk in self.chunks:
+            keys = get_model_state_dict(chunk).keys()
+            set_model_state_dict(chunk, {k: state["model"][self._canonical(k)] for k in keys})
+        if "optimizer" in state:
+            for chunk, opt in zip(self.chunks, self.optimizers.optimizers):
+                keys = get_optimizer_state_dict(chunk, opt, options=_OPTIM).keys()
+                chunk_state = {k: state["optimizer"][self._canonical(k)] for k in keys}
+                set_optimizer_state_dict(chunk, opt, chunk_state, options=_OPTIM)
+        resumed = int(state["train_state"]["step"]) if "train_state" in state else 0
+        if "lr_scheduler" in state:
+            self.optimizers.set_schedule_position(int(state["lr_scheduler"]["completed_steps"]))
+        if "dataloader" in state:
+            self.loader.load_state_dict({k: int(v) for k, v in state["dataloader"].items()})
+        logger.info("resumed from %s (%s)", path, ", ".join(wanted))
+        return resumed
