@@ -56,12 +56,16 @@ def complete_steps(folder: Path) -> list[int]:
 class Checkpointer:
     """Saves and restores one rank's share of the training state."""
 
-    def __init__(self, checkpoint, *, dump_folder: str, chunks, optimizers, loader, tied_names: dict[str, str]):
-        """``checkpoint`` is the ``[checkpoint]`` section; ``tied_names`` maps alias -> canonical name."""
+    def __init__(self, checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
+                 pp_rank: int = 0, pp: int = 1, hf_writer: bool = True):
+        """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
+        rank's file of a Hugging Face export (one writer per pipeline rank)."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
-        self.aliases = tied_names
+        self.spec, self.args = spec, model_args
+        self.aliases = spec.tied_weights if getattr(model_args, "tie_embeddings", False) else {}
+        self.pp_rank, self.pp, self.hf_writer = pp_rank, pp, hf_writer
         self.pending = None  # (future, step) of an asynchronous save in flight
 
     # -- state --------------------------------------------------------------------------------
@@ -101,7 +105,12 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------------------
     def maybe_save(self, step: int, *, last: bool, final: bool) -> None:
         """Save at every ``interval`` and at this run's ``last`` step. At the ``final`` step of
-        training, ``last_save_model_only`` saves the weights alone."""
+        training, ``last_save_model_only`` saves the weights alone, and ``export_hf`` exports them."""
+        if final and self.cfg.export_hf:
+            from trainer.hf import export_hf
+
+            export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}", _DTYPES[self.cfg.export_dtype],
+                      pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer)
         if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
             return
         self.wait()  # at most one save in flight: the next waits for the previous
@@ -149,10 +158,8 @@ class Checkpointer:
     # -- load ---------------------------------------------------------------------------------
     def load(self) -> int:
         """Restore the newest complete checkpoint (or ``load_step``); returns the step it ends, 0 = fresh."""
-        if not self.cfg.enable:
-            return 0
-        steps = complete_steps(self.folder)
-        if self.cfg.load_step != -1:
+        steps = complete_steps(self.folder) if self.cfg.enable else []
+        if self.cfg.enable and self.cfg.load_step != -1:
             if self.cfg.load_step not in steps:
                 raise UserError(
                     f"[checkpoint] load_step={self.cfg.load_step}: no complete checkpoint {self.folder}/step-"
@@ -162,8 +169,13 @@ class Checkpointer:
         if steps:
             return self._load(self.folder / f"step-{steps[-1]}", steps[-1])
         if self.cfg.initial_load_path:
-            self._load(Path(self.cfg.initial_load_path), None)
-            return 0
+            from trainer.hf import is_hf_folder, load_hf_
+
+            path = Path(self.cfg.initial_load_path)
+            if is_hf_folder(path):
+                load_hf_(self.chunks, self.spec, self.args, path)
+            else:
+                self._load(path, None)
         return 0
 
     def _load(self, path: Path, step: int | None) -> int:

@@ -176,9 +176,13 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> Tr
         dp_degree=dims.dp,
         config_toml=config_toml,
     )
-    tied = spec.tied_weights if getattr(parts.chunks[0].args, "tie_embeddings", False) else {}
-    checkpointer = Checkpointer(config.checkpoint, dump_folder=config.job.dump_folder, chunks=parts.chunks,
-                                optimizers=optimizers, loader=loader, tied_names=tied)
+    per_pp_rank = dims.world_size // dims.pp
+    checkpointer = Checkpointer(
+        config.checkpoint, dump_folder=config.job.dump_folder, chunks=parts.chunks, optimizers=optimizers,
+        loader=loader, spec=spec, model_args=parts.chunks[0].args,
+        pp_rank=dist.get_rank() // per_pp_rank if dist.is_initialized() else 0, pp=dims.pp,
+        hf_writer=not dist.is_initialized() or dist.get_rank() % per_pp_rank == 0,  # pp is the outermost dim
+    )
     start_step = checkpointer.load()
     result = TrainResult()
     gc.disable()  # collected every gc_freq steps instead, so pauses happen at known points

@@ -195,13 +195,15 @@ class Checkpoint:
     load_step: Annotated[int, Range(ge=0, also=(-1,))] = -1
     """Resume from this step; -1 = the latest complete checkpoint."""
     initial_load_path: str = ""
-    """Checkpoint to start from when the run folder has none (DCP folder or safetensors)."""
+    """Weights to start from when the run folder has no checkpoint: a DCP step folder or a Hugging Face safetensors folder."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """Parts of the state not to load, e.g. ["optimizer", "dataloader"]."""
     last_save_model_only: bool = True
     """Save only the model weights at the last step."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of a model-only export."""
+    """Dtype of the model-only final save and of the Hugging Face export."""
+    export_hf: bool = False
+    """At the last step, also write the weights as Hugging Face safetensors (+ index, config.json) to <folder>/hf-step-N."""
 
 
 @dataclass(frozen=True, kw_only=True)

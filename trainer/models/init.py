@@ -21,16 +21,24 @@ def seed_for(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def init_param_(param: torch.Tensor, name: str, seed: int, fn: InitFn) -> None:
-    """Fill ``param`` (plain or DTensor) with ``fn`` applied to the full tensor."""
+def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole-parameter tensor ``full`` into ``param``, keeping only this rank's shard if sharded."""
     local = param.to_local() if isinstance(param, DTensor) else param
-    gen = torch.Generator(device=local.device).manual_seed(seed_for(seed, name))
-    full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
-    fn(full, gen)
+    full = full.to(device=local.device, dtype=local.dtype)
     if isinstance(param, DTensor):
-        # src_data_rank=None: every rank computed the same full tensor, so just slice, no comms.
+        # src_data_rank=None: every rank holds the same full tensor, so just slice, no comms.
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     local.copy_(full)
+
+
+@torch.no_grad()
+def init_param_(param: torch.Tensor, name: str, seed: int, fn: InitFn) -> None:
+    """Fill ``param`` (plain or DTensor) with ``fn`` applied to the full tensor."""
+    device = param.to_local().device if isinstance(param, DTensor) else param.device
+    gen = torch.Generator(device=device).manual_seed(seed_for(seed, name))
+    full = torch.empty(param.shape, dtype=torch.float32, device=device)
+    fn(full, gen)
+    copy_full_(param, full)
 
 
 def materialize_(model: torch.nn.Module, device: torch.device, seed: int) -> None:

@@ -17,6 +17,20 @@ from trainer.errors import ConfigError
 
 
 @dataclass(frozen=True)
+class HFAdapter:
+    """How a family's weights map to a Hugging Face transformers checkpoint."""
+
+    hf_name: Callable[[str], str]
+    """Our parameter name -> the HF name."""
+    to_hf: Callable[[str, Any, Any], Any]
+    """(our name, full tensor, args) -> the tensor in HF layout."""
+    from_hf: Callable[[str, Any, Any], Any]
+    """(our name, HF tensor, args) -> the tensor in our layout."""
+    config: Callable[[Any, Any], dict]
+    """(args, dtype) -> config.json contents."""
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the trainer needs to know about one model family."""
 
@@ -35,6 +49,8 @@ class ModelSpec:
     """Top-level modules that run before the blocks (kept by the first pipeline stage)."""
     post_layers: tuple[str, ...] = ("norm", "output")
     """Top-level modules that run after the blocks (kept by the last pipeline stage)."""
+    hf: HFAdapter | None = None
+    """Hugging Face safetensors export/import; None = not supported for this family."""
     tied_weights: dict[str, str] = field(default_factory=dict)
     """With tied embeddings: {alias: canonical} parameter names that are one weight (pipeline
     stages hold one copy each, initialised under the canonical name)."""

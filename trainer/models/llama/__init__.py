@@ -3,7 +3,8 @@
 from trainer.models.llama.args import FLAVORS, LlamaArgs
 from trainer.models.llama.model import TIED_WEIGHTS, Transformer, llama_flops_per_token
 from trainer.models.llama.parallelize import build_tp_plan
-from trainer.models.registry import ModelSpec, register_model
+from trainer.models.llama import hf
+from trainer.models.registry import HFAdapter, ModelSpec, register_model
 
 register_model(
     ModelSpec(
@@ -13,6 +14,7 @@ register_model(
         flops_per_token=llama_flops_per_token,
         build_tp_plan=build_tp_plan,
         tied_weights=TIED_WEIGHTS,
+        hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config),
     )
 )
 

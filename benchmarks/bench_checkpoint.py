@@ -1,0 +1,84 @@
+"""Checkpoint cost: size, save time (sync), time the training loop is blocked (sync vs async), load time.
+
+    python benchmarks/bench_checkpoint.py
+
+Each case trains in one process with a checkpoint every step and times the checkpointer's
+calls from inside the training loop (medians over the saves after the first).
+"""
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import trainer.checkpoint as ckpt  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.train import main  # noqa: E402
+
+CASES = {
+    "debugmodel": ["--model.flavor", "debugmodel", "--training.local_batch_size", "2", "--training.seq_len", "128"],
+    "270M": ["--model.flavor", "270M", "--training.local_batch_size", "1", "--training.seq_len", "64"],
+}
+
+
+def timed(cls, name, sink):
+    real = getattr(cls, name)
+
+    def wrapper(self, *a, **kw):
+        start = time.perf_counter()
+        out = real(self, *a, **kw)
+        sink.append(time.perf_counter() - start)
+        return out
+
+    setattr(cls, name, wrapper)
+    return real
+
+
+def run(case: str, mode: str, steps: int, tmp: Path) -> dict:
+    dump = tmp / f"{case}_{mode}"
+    args = CASES[case] + ["--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1",
+                          "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000", "--checkpoint.enable",
+                          "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2",
+                          "--checkpoint.no-last_save_model_only", "--checkpoint.async_mode", mode,
+                          "--job.dump_folder", str(dump)]
+    blocked, waits = [], []
+    save, wait = timed(ckpt.Checkpointer, "maybe_save", blocked), timed(ckpt.Checkpointer, "wait", waits)
+    try:
+        result = main(load_config(overrides=args))
+    finally:
+        ckpt.Checkpointer.maybe_save, ckpt.Checkpointer.wait = save, wait
+    folder = dump / "checkpoint" / f"step-{steps}"
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    loads = []
+    load = timed(ckpt.Checkpointer, "load", loads)
+    try:
+        main(load_config(overrides=args + ["--checkpoint.load_step", str(steps)]))
+    finally:
+        ckpt.Checkpointer.load = load
+    shutil.rmtree(dump)
+    return {"case": case, "mode": mode, "size_mib": size / 2**20, "blocked_s": statistics.median(blocked[1:]),
+            "step_s": statistics.median(result.step_times[1:]), "load_s": loads[0]}
+
+
+def main_cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    print("| model | mode | checkpoint size (MiB) | loop blocked per save (s) | train step (s) | load (s) |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in args.cases:
+            for mode in ("disabled", "async"):
+                r = run(case, mode, args.steps, Path(tmp))
+                print(f"| {r['case']} | {'sync' if mode == 'disabled' else 'async'} | {r['size_mib']:.1f} | "
+                      f"{r['blocked_s']:.3f} | {r['step_s']:.3f} | {r['load_s']:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main_cli()

@@ -1,0 +1,97 @@
+"""Model weights in Hugging Face safetensors layout: export at the end of training, import to start from.
+
+Export writes ``model-0000i-of-0000P.safetensors`` (one file per pipeline rank), the index
+``model.safetensors.index.json`` and ``config.json``, with HF parameter names and layouts, so
+``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads it.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from trainer.errors import UserError
+from trainer.models import ModelSpec
+from trainer.models.init import copy_full_
+
+logger = logging.getLogger(__name__)
+INDEX = "model.safetensors.index.json"
+
+
+def _adapter(spec: ModelSpec):
+    if spec.hf is None:
+        raise UserError(f"[checkpoint] model family {spec.name} has no Hugging Face mapping (ModelSpec.hf)")
+    return spec.hf
+
+
+def is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and ((path / INDEX).is_file() or any(path.glob("*.safetensors")))
+
+
+@torch.no_grad()
+def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *, pp_rank: int, pp: int,
+              writer: bool) -> None:
+    """Write this pipeline rank's weights; ``writer`` is the one rank per pipeline rank that writes.
+
+    Every rank must call this: gathering a sharded parameter is a collective over its mesh.
+    """
+    hf = _adapter(spec)
+    aliases = spec.tied_weights if getattr(args, "tie_embeddings", False) else {}
+    tensors = {}
+    for chunk in chunks:
+        for name, value in chunk.state_dict().items():
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            if name in aliases:  # HF ties lm_head to the embedding itself (tie_word_embeddings)
+                continue
+            tensors[hf.hf_name(name)] = hf.to_hf(name, full.detach().to("cpu", dtype), args).contiguous()
+    file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+    if writer:
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+    names = {k: file for k in tensors} if writer else {}
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, names)
+        names = {k: v for part in gathered for k, v in part.items()}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(names.items()))}, indent=2))
+        (folder / "config.json").write_text(json.dumps(hf.config(args, dtype), indent=2))
+        logger.info("Hugging Face export written: %s", folder)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@torch.no_grad()
+def load_hf_(chunks, spec: ModelSpec, args, folder: Path) -> None:
+    """Fill the chunks' parameters from a Hugging Face safetensors folder (any layout, any split)."""
+    hf = _adapter(spec)
+    index = folder / INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        weight_map = {}
+        for file in folder.glob("*.safetensors"):
+            with safe_open(str(file), framework="pt") as f:
+                weight_map.update({k: file.name for k in f.keys()})
+    aliases = spec.tied_weights if getattr(args, "tie_embeddings", False) else {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            source = aliases.get(name, name)
+            key = hf.hf_name(source)
+            if key not in weight_map:
+                raise UserError(f"[checkpoint] initial_load_path: {folder} has no tensor {key!r} (for {name})")
+            with safe_open(str(folder / weight_map[key]), framework="pt") as f:
+                full = f.get_tensor(key)
+            if tuple(full.shape) != tuple(param.shape):
+                raise UserError(
+                    f"[checkpoint] initial_load_path: {key} in {folder} has shape {tuple(full.shape)}, the model"
+                    f" expects {tuple(param.shape)}"
+                )
+            copy_full_(param, hf.from_hf(source, full.float(), args))
+    logger.info("weights loaded from Hugging Face folder %s", folder)
