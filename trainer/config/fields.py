@@ -190,15 +190,9 @@ def parse_cli_value(spec: FieldSpec, text: str) -> Any:
         if low in _FALSE:
             return False
         raise ConfigError(f"got {text!r}, expected true or false")
-    if kind == "int":
+    if kind in ("int", "float"):
         try:
-            value = int(text)
-        except ValueError:
-            raise ConfigError(f"got {text!r}, expected {spec.accepted()}") from None
-        return check_value(spec, value)
-    if kind == "float":
-        try:
-            value = float(text)
+            value = int(text) if kind == "int" else float(text)
         except ValueError:
             raise ConfigError(f"got {text!r}, expected {spec.accepted()}") from None
         return check_value(spec, value)

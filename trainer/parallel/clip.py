@@ -8,6 +8,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+def _by_layout(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """Gradients grouped so that each group can be reduced by one norm call (same mesh and placements)."""
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    return groups
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
@@ -26,17 +34,9 @@ def clip_grad_norm_(
     """
     skip = {id(p) for p in not_in_norm}
     params = [p for p in parameters if p.grad is not None]
-    by_layout: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        g = p.grad
-        by_layout[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
-    counted: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        if id(p) not in skip:
-            g = p.grad
-            counted[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    by_layout = _by_layout([p.grad for p in params])
     squares = []
-    for group in counted.values():
+    for group in _by_layout([p.grad for p in params if id(p) not in skip]).values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
