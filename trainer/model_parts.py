@@ -16,7 +16,7 @@ from trainer.loss import cross_entropy_sum
 from trainer.models import ModelSpec, resolve_model_args
 from trainer.models.init import materialize_
 from trainer.parallel.mesh import Meshes
-from trainer.parallel.parallelize import parallelize
+from trainer.parallel.parallelize import parallelize, resolve_tp_plan
 from trainer.parallel.pipeline import build_chunk, build_schedule
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan
 
@@ -123,9 +123,11 @@ def build_model_parts(config: JobConfig, spec: ModelSpec, meshes: Meshes, device
         logger.info("pipeline: %s, stages %s on this rank, split points %s",
                     plan.schedule, stage_ids, plan.split_points(spec.layers_attr))
     parts = ModelParts(nn.ModuleList(chunks), loss, plan, stage_ids)
+    tp_plan = resolve_tp_plan(spec, whole, config.parallelism, seq_len=config.training.seq_len)
     for chunk in chunks:
         parallelize(
             chunk, spec, meshes,
+            tp_plan=tp_plan,
             parallelism=config.parallelism,
             activation_checkpoint=config.activation_checkpoint,
             compile_enabled=config.compile.enable,

@@ -4,6 +4,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config.validate import decay_steps
@@ -14,21 +15,21 @@ def build_optimizer(model: nn.Module, optimizer) -> torch.optim.Optimizer:
 
     Weight decay applies to matrices and embeddings; norms' 1-D gains are not decayed.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    # Groups also split by layout: multi-tensor kernels cannot mix DTensors of different meshes, or
+    # DTensors with plain tensors (e.g. layers an automatic TP plan left replicated).
+    groups: dict[tuple, list] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            groups.setdefault((p.ndim >= 2, id(mesh)), []).append(p)
     impl = {
         "for-loop": {"foreach": False, "fused": False},
         "foreach": {"foreach": True, "fused": False},
         "fused": {"foreach": False, "fused": True},
     }[optimizer.implementation]
-    groups = [
-        {"params": decay, "weight_decay": optimizer.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer.name]
     return cls(
-        [g for g in groups if g["params"]],
+        [{"params": ps, "weight_decay": optimizer.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()],
         lr=optimizer.lr,
         betas=(optimizer.beta1, optimizer.beta2),
         eps=optimizer.eps,

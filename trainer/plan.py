@@ -10,7 +10,9 @@ from torch import nn
 from trainer.config import JobConfig, validate_config
 from trainer.model_parts import build_model, pipeline_plan
 from trainer.models import get_model_spec
+from trainer.parallel.auto_tp import derive_tp_plan
 from trainer.parallel.mesh import DIM_NAMES
+from trainer.parallel.parallelize import resolve_tp_plan
 from trainer.parallel.pipeline import build_chunk
 from trainer.parallel.pipeline_split import module_costs
 from trainer.parallel.schedule_sim import bubble_fraction, timeline
@@ -38,6 +40,21 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [fmt.format(*header), fmt.format(*["-" * w for w in widths])] + [fmt.format(*r) for r in rows]
 
 
+def _tp_lines(config: JobConfig, spec, whole: nn.Module, tp: int) -> list[str]:
+    """The tensor-parallel plan, per module; with tensor_parallel_plan = auto, how it was derived."""
+    p = config.parallelism
+    if p.tensor_parallel_plan == "auto":
+        plan = derive_tp_plan(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,
+                              tp=tp, seq_len=config.training.seq_len, loss_parallel=not p.disable_loss_parallel,
+                              overrides=p.tensor_parallel_overrides)
+        return [f"Tensor parallel plan (derived automatically; block modules apply to every {spec.layers_attr}.N):"]\
+            + plan.describe()
+    top, block = resolve_tp_plan(spec, whole, p, seq_len=config.training.seq_len)
+    return [f"Tensor parallel plan ({spec.name}'s own; block modules apply to every {spec.layers_attr}.N):"] + [
+        f"  {name}: {type(style).__name__}" for name, style in {**top, **block}.items()
+    ]
+
+
 def describe_plan(config: JobConfig, world_size: int) -> str:
     """The plan as text; also writes the schedule timeline into the dump folder when pipelined."""
     dims = validate_config(config, world_size)
@@ -48,17 +65,19 @@ def describe_plan(config: JobConfig, world_size: int) -> str:
     shard = dims.dp_shard * dims.tp  # ways each parameter is split in memory
     lines = [
         f"Plan: {config.job.description}",
-        f"Model: {config.model.name} {config.model.flavor}, {_count(whole) / 1e9:.3f}B parameters,"
+        f"Model: {config.model.name} {config.model.flavor}, {_count(whole) / 1e6:,.2f}M parameters,"
         f" {spec.flops_per_token(whole.args, t.seq_len) / 1e9:.2f} GFLOP/token (training), seq_len {t.seq_len}",
         f"World: {dims.describe()}",
         "Mesh: (" + ", ".join(f"{n}={getattr(dims, n)}" for n in DIM_NAMES) + ")",
         f"Batch: global {t.local_batch_size * dims.dp * accum} sequences = local {t.local_batch_size}"
         f" x data-parallel {dims.dp} x accumulation {accum}",
     ]
+    if dims.tp > 1:
+        lines += _tp_lines(config, spec, whole, dims.tp)
     if dims.pp == 1:
         params = _count(whole)
         lines.append(
-            f"No pipeline: every rank runs the whole model; {params / 1e9:.3f}B parameters,"
+            f"No pipeline: every rank runs the whole model; {params / 1e6:,.2f}M parameters,"
             f" ~{params * BYTES_PER_PARAM / shard / 2**30:.1f} GiB per device for parameters, gradients and"
             f" Adam state (split {shard} ways by FSDP x TP; activations not included)"
         )

@@ -8,7 +8,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "distributed" / "worker.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+       # the custom model families of tests/fixtures are importable by name in every rank
+       "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fixtures"), os.environ.get("PYTHONPATH", "")])}
 
 # Shared by every parity run: tiny Llama, fp32, deterministic, global batch of 8 sequences.
 PARITY = [
@@ -28,9 +30,10 @@ def torchrun(nproc: int, args: list[str], tmp_path: Path, timeout: int = 300) ->
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def run_layout(nproc: int, overrides: list[str], tmp_path: Path) -> dict:
+def run_layout(nproc: int, overrides: list[str], tmp_path: Path, base: list[str] = PARITY) -> dict:
+    """Per-step results of a ``nproc``-rank run of ``base`` (default: the tiny Llama) plus ``overrides``."""
     out = tmp_path / f"result_{nproc}_{abs(hash(tuple(overrides)))}.json"
-    args = [str(WORKER), str(out), *PARITY, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
+    args = [str(WORKER), str(out), *base, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
     proc = torchrun(nproc, args, tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text())

@@ -97,3 +97,12 @@ def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, re
     events = EventAccumulator(str(dump / "tb"))
     events.Reload()
     assert len(events.Scalars("loss")) == 3
+
+
+def test_readme_dry_run_plans_8b_on_64_ranks(tmp_path):
+    proc = launch([sys.executable, "train.py", "--job.config_file", "configs/llama3_8b.toml", "--dry-run",
+                   "--world-size", "64", "--parallelism.pipeline_parallel_degree", "4", "--training.local_batch_size",
+                   "8", "--activation_checkpoint.mode", "full", "--job.dump_folder", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr
+    assert "pp 4 = 64 ranks" in proc.stdout and "1F1B, 4 stages, 1 per rank" in proc.stdout
+    assert "expected bubble 27.3%" in proc.stdout

@@ -145,9 +145,10 @@ def _resolve_cli_key(raw: str) -> tuple[tuple[str, ...], FieldSpec | None, bool]
                 raise ConfigError(f"--{raw}: names a section, not a key; e.g. --{raw}.{first}")
             cls = spec.section
         elif spec.kind == "dict":
-            if len(segments) != i + 2:
+            if len(segments) == i + 1:
                 raise ConfigError(f"--{raw}: set one entry at a time, e.g. --{raw}.n_layers 4")
-            return path + (segments[i + 1],), None, False
+            # Entries may be dotted module names: --parallelism.tensor_parallel_overrides.attention.wq
+            return path + (".".join(raw.split(".")[i + 1:]),), None, False
         elif not last:
             raise ConfigError(f"--{raw}: {key_name(path)} is a key, not a section")
         else:

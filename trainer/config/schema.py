@@ -152,6 +152,10 @@ class Parallelism:
     """FSDP shards per replica; -1 = all ranks left over by the other degrees."""
     tensor_parallel_degree: Annotated[int, Degree] = 1
     """Tensor-parallel ranks per model chunk."""
+    tensor_parallel_plan: Literal["model", "auto"] = "model"
+    """TP plan: the model family's hand-written one, or derived automatically from the block's structure."""
+    tensor_parallel_overrides: dict = field(default_factory=dict)
+    """With plan auto: per-module styles that replace the derived ones, e.g. {"mlp.c_fc" = "replicate"} (colwise, rowwise, replicate)."""
     enable_sequence_parallel: bool = True
     """With tensor parallelism, shard norms and residuals along the sequence (sequence parallel)."""
     disable_loss_parallel: bool = False

@@ -113,6 +113,12 @@ def _check_model(config: JobConfig) -> None:
     args = resolve_model_args(spec, config.model)
     if config.parallelism.pipeline_parallel_degree > 1:
         _check_pipeline(config, spec)
+    if config.parallelism.tensor_parallel_degree > 1:
+        from trainer.model_parts import build_model
+        from trainer.parallel.parallelize import resolve_tp_plan
+
+        # Builds (or derives) the plan on a meta model: unshardable sizes fail here, not at launch.
+        resolve_tp_plan(spec, build_model(config, spec), config.parallelism, seq_len=config.training.seq_len)
     tp = config.parallelism.tensor_parallel_degree
     heads = {"n_heads": getattr(args, "n_heads", None), "n_kv_heads": getattr(args, "num_kv_heads", None)}
     for field, count in heads.items():

@@ -8,6 +8,7 @@ from torch import nn
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec
 from trainer.parallel.ac import apply_ac
+from trainer.parallel.auto_tp import derive_tp_plan
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.mesh import Meshes
@@ -18,11 +19,42 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism, *, seq_len: int) -> tuple[dict, dict] | None:
+    """(top-level plan, per-block plan) for ``[parallelism]``, from the family or derived; None without TP.
+
+    ``whole`` is the complete model on the meta device (derivation runs one meta forward).
+    """
+    tp = parallelism.tensor_parallel_degree
+    if tp == 1:
+        return None
+    loss_parallel = not parallelism.disable_loss_parallel
+    if parallelism.tensor_parallel_plan == "auto":
+        if parallelism.enable_sequence_parallel and tp not in _WARNED_SP:
+            _WARNED_SP.add(tp)
+            logger.warning("[parallelism] enable_sequence_parallel is not applied with tensor_parallel_plan = auto")
+        plan = derive_tp_plan(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,
+                              tp=tp, seq_len=seq_len, loss_parallel=loss_parallel,
+                              overrides=parallelism.tensor_parallel_overrides)
+        return plan.top, plan.block
+    if parallelism.tensor_parallel_overrides:
+        raise ConfigError("[parallelism.tensor_parallel_overrides] apply to tensor_parallel_plan = \"auto\" only")
+    if spec.build_tp_plan is None:
+        raise ConfigError(
+            f"[parallelism] tensor_parallel_degree={tp}: model family {spec.name} has no hand-written TP plan;"
+            " set [parallelism] tensor_parallel_plan = \"auto\""
+        )
+    return spec.build_tp_plan(sequence_parallel=parallelism.enable_sequence_parallel, loss_parallel=loss_parallel)
+
+
+_WARNED_SP: set = set()
+
+
 def parallelize(
     model: nn.Module,
     spec: ModelSpec,
     meshes: Meshes,
     *,
+    tp_plan: tuple[dict, dict] | None,
     parallelism,
     activation_checkpoint,
     compile_enabled: bool,
@@ -32,19 +64,13 @@ def parallelize(
 ) -> None:
     """Apply every SPMD technique the job asks for to ``model`` (a whole model or a pipeline chunk), in place.
 
-    ``parallelism`` and ``activation_checkpoint`` are those config sections.
+    ``tp_plan`` comes from ``resolve_tp_plan``; ``parallelism`` and ``activation_checkpoint`` are
+    those config sections.
     """
     # 1. TP first: it turns parameters into DTensors on the tp mesh, which everything after
     #    (checkpoint hooks, compiled graphs, FSDP's 2-D sharding) must see.
     if meshes.tp is not None:
-        if spec.build_tp_plan is None:
-            raise ConfigError(
-                f"[parallelism] tensor_parallel_degree={meshes.dims.tp}: model family {spec.name} has no TP plan"
-            )
-        top, block = spec.build_tp_plan(
-            sequence_parallel=parallelism.enable_sequence_parallel,
-            loss_parallel=not parallelism.disable_loss_parallel,
-        )
+        top, block = tp_plan
         apply_tp(model, meshes.tp, top_plan=top, block_plan=block, layers_attr=spec.layers_attr)
     # 2. AC before compile, so the compiled region includes the recomputation boundaries.
     apply_ac(

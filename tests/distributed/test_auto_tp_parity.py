@@ -1,0 +1,60 @@
+"""Automatic TP plans reproduce the single-process run, for Llama (hand plan off) and a GPT-2-style
+family registered from outside the package, alone and composed with FSDP and pipeline stages.
+
+Tolerance: relative 1e-5 on every step's loss and grad norm (fp32, CPU, gloo).
+"""
+
+import pytest
+
+from tests.distributed.harness import PARITY, run_layout
+from trainer.config import load_config
+from trainer.train import main
+
+REL = 1e-5
+P = "--parallelism."
+AUTO = [P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", P + "no-enable_sequence_parallel"]
+GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
+# PARITY's Llama overrides do not apply to the GPT family: keep only the run settings.
+RUN = [a for i, a in enumerate(PARITY) if not (a.startswith("--model") or (i and PARITY[i - 1].startswith("--model")))]
+FAMILIES = {"llama": PARITY + ["--model.overrides.n_layers", "4"], "gpt": RUN + GPT + ["--model.overrides.n_layers", "4"]}
+LAYOUTS = {
+    "TP2": (2, AUTO + ["--training.local_batch_size", "8"]),
+    "FSDP2xTP2": (4, AUTO + [P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+    "PP2xTP2": (4, AUTO + [P + "pipeline_parallel_degree", "2", "--training.local_batch_size", "8"]),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            dump = tmp_path_factory.mktemp("ref")
+            cache[family] = main(load_config(overrides=FAMILIES[family] + ["--training.local_batch_size", "8",
+                                                                           "--job.dump_folder", str(dump)]))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.slow
+def test_auto_tp_with_replicated_fused_attention(references, tmp_path):
+    """The fused q/k/v projection stays replicated, the MLP is split: still the single-process numbers."""
+    fused = RUN + GPT[:-1] + ["tiny_fused", "--model.overrides.n_layers", "4"]
+    reference = main(load_config(overrides=fused + ["--training.local_batch_size", "8", "--job.dump_folder",
+                                                    str(tmp_path / "ref")]))
+    result = run_layout(2, fused + LAYOUTS["TP2"][1], tmp_path, base=[])
+    assert result["losses"] == pytest.approx(reference.losses, rel=REL)
+    assert result["grad_norms"] == pytest.approx(reference.grad_norms, rel=REL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_auto_tp_matches_single_process(family, layout, references, tmp_path):
+    nproc, overrides = LAYOUTS[layout]
+    result = run_layout(nproc, FAMILIES[family] + overrides, tmp_path, base=[])
+    reference = references(family)
+    assert result["losses"] == pytest.approx(reference.losses, rel=REL)
+    assert result["grad_norms"] == pytest.approx(reference.grad_norms, rel=REL)
