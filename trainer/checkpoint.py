@@ -31,7 +31,7 @@ from trainer.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state")
+PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,6 +100,15 @@ class Checkpointer:
         state["lr_scheduler"] = {"completed_steps": torch.tensor(step)}
         state["dataloader"] = {k: torch.tensor(v) for k, v in position.items()}
         state["train_state"] = {"step": torch.tensor(step)}
+        state["rng"] = self._rng_state()
+        return state
+
+    @staticmethod
+    def _rng_state() -> dict[str, torch.Tensor]:
+        """This rank's generator states, under a per-rank key (ranks' generators differ)."""
+        state = {f"rank{_rank()}.cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state[f"rank{_rank()}.cuda"] = torch.cuda.get_rng_state()
         return state
 
     # -- save ---------------------------------------------------------------------------------
@@ -193,6 +202,12 @@ class Checkpointer:
         if missing:
             logger.warning("checkpoint %s has no %s (model-only save); starting those fresh", path, ", ".join(missing))
         wanted = [p for p in wanted if p in parts_in_file]
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if "rng" in wanted and not all(f"rng.rank{r}.cpu" in saved for r in range(world)):
+            # Saved by another number of ranks: generator states do not map one to one. Every
+            # rank sees the same metadata, so every rank makes the same choice.
+            logger.warning("checkpoint %s was saved by another number of ranks; random generators start fresh", path)
+            wanted.remove("rng")
         if "optimizer" in wanted:
             self.optimizers.init_state()  # Adam's state exists only after a step; DCP loads into it
         full = self._state(step or 0)
@@ -219,5 +234,8 @@ class Checkpointer:
             self.optimizers.set_schedule_position(int(state["lr_scheduler"]["completed_steps"]))
         if "dataloader" in state:
             self.loader.load_state_dict({k: int(v) for k, v in state["dataloader"].items()})
+        if "rng" in state:
+            for key, value in state["rng"].items():
+                (torch.set_rng_state if key.endswith(".cpu") else torch.cuda.set_rng_state)(value)
         logger.info("resumed from %s (%s)", path, ", ".join(wanted))
         return resumed

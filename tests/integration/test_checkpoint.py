@@ -79,7 +79,7 @@ def test_retention_and_model_only_final_export(tmp_path):
     assert {k.split(".")[0] for k in final} == {"model"}
     assert all(m.properties.dtype == torch.bfloat16 for m in final.values())
     full = FileSystemReader(str(folder / "step-4")).read_metadata().state_dict_metadata
-    assert {k.split(".")[0] for k in full} == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state"}
+    assert {k.split(".")[0] for k in full} == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
 
 
 def test_initial_load_path_and_exclusions(tmp_path):
@@ -114,3 +114,23 @@ def test_checkpoint_errors(tmp_path):
     (corrupt / ".metadata").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match=r"\[checkpoint\] .*step-1 is not a readable checkpoint"):
         train(base, tmp_path / "c")
+
+
+def test_random_generator_state_is_restored(tmp_path, monkeypatch):
+    import trainer.checkpoint as ckpt
+
+    args = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
+    train(args + ["--training.stop_at_step", "2"], tmp_path)
+    saved = torch.get_rng_state()  # nothing draws random numbers after the step-2 save
+    torch.rand(1000)  # move the generator on, as a new process would start elsewhere
+    restored = {}
+    real = ckpt.Checkpointer.load
+
+    def load(self):
+        step = real(self)
+        restored["state"] = torch.get_rng_state()
+        return step
+
+    monkeypatch.setattr(ckpt.Checkpointer, "load", load)
+    train(args, tmp_path)
+    assert torch.equal(restored["state"], saved)
