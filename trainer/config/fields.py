@@ -209,7 +209,7 @@ def parse_cli_value(spec: FieldSpec, text: str) -> Any:
             except ValueError:
                 raise ConfigError(f"got {text!r}, expected {spec.accepted()} (comma-separated)") from None
         return items
-    raise ConfigError(f"cannot be set as a whole from the command line; set its entries as keys")
+    raise ConfigError("cannot be set as a whole from the command line; set its entries as keys")
 
 
 def parse_toml_literal(text: str) -> Any:

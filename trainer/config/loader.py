@@ -253,6 +253,8 @@ def parse_args(argv: list[str]) -> Invocation:
     if "--help" in argv or "-h" in argv:  # help must work even when the rest is broken
         return Invocation(JobConfig(), "help")
     cli, action, world_size = parse_cli(argv)
+    if world_size is not None and action != "dry-run":
+        raise ConfigError("--world-size: only used with --dry-run (a real run takes its world size from torchrun)")
     config_file = cli.get(("job", "config_file"), ("", CLI))[0]
     flat: Flat = read_toml(config_file) if config_file else {}
     flat.update(cli)

@@ -100,6 +100,7 @@ def _check_files(config: JobConfig) -> None:
         ("[training] dataset_path", config.training.dataset_path),
         ("[model] tokenizer_path", config.model.tokenizer_path),
         ("[parallelism] pipeline_parallel_schedule_csv", config.parallelism.pipeline_parallel_schedule_csv),
+        ("[checkpoint] initial_load_path", config.checkpoint.initial_load_path),
     ):
         if path and not Path(path).exists():
             raise ConfigError(f"{key}: file not found: {path}")

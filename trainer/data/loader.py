@@ -135,7 +135,3 @@ class PackedBatchLoader:
         mine = torch.tensor(windows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank], dtype=torch.long)
         micro = mine.split(self.local_batch_size)
         return [(m[:, :-1].contiguous(), m[:, 1:].contiguous()) for m in micro]
-
-    def __iter__(self):
-        while True:
-            yield self.next_step()

@@ -73,13 +73,5 @@ class ParallelDims:
     def hsdp_enabled(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard > 1
 
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
     def describe(self) -> str:
         return " * ".join(f"{name} {getattr(self, name)}" for name in _KEYS) + f" = {self.world_size} ranks"
