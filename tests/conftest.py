@@ -33,3 +33,13 @@ def tiny_run_args(tmp_path):
 def tiny_args(tiny_run_args):
     """Overrides for a tiny Llama run."""
     return TINY_MODEL + tiny_run_args
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The worst per-tensor relative difference of every parity case run (tests/parity.py)."""
+    from tests.parity import REPORT
+
+    if REPORT:
+        terminalreporter.section("parity: worst tensor per case (||a - b|| / ||b||)")
+        for line in REPORT:
+            terminalreporter.write_line(line)

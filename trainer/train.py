@@ -9,8 +9,10 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,8 +60,19 @@ def compute_dtype(training, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[training.mixed_precision_param]
 
 
+class StepObserver(Protocol):
+    """Sees the model between backward and update; tests use it to compare gradients per tensor."""
+
+    def on_grads(self, step: int, parts: ModelParts) -> None:
+        """Called on every rank after the step's gradients are final (tied copies summed), before clipping."""
+
+    def on_end(self, parts: ModelParts) -> None:
+        """Called on every rank after the last step's update."""
+
+
 def train_step(
-    parts: ModelParts, optimizers: ChunkOptimizers, microbatches, *, max_norm: float, autocast, loss_context, meshes: Meshes
+    parts: ModelParts, optimizers: ChunkOptimizers, microbatches, *, max_norm: float, autocast, loss_context,
+    meshes: Meshes, on_grads: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm)."""
     # Token-mean over the global batch: every microbatch's summed loss is divided by the label
@@ -82,6 +95,8 @@ def train_step(
                 scaled += run_schedule(parts.schedule, inputs, labels, has_first=parts.has_first,
                                        has_last=parts.has_last)
     parts.sync_tied_grads()
+    if on_grads is not None:
+        on_grads()
     pp_group = meshes.pp.get_group() if meshes.pp is not None else None
     grad_norm = clip_grad_norm_(parts.chunks.parameters(), max_norm, pp_group=pp_group,
                                 not_in_norm=parts.tied_duplicates())
@@ -105,7 +120,7 @@ def reporting_rank(config: JobConfig, dims) -> int:
     return last_pp_rank * (dims.world_size // dims.pp)  # pp is the outermost mesh dim
 
 
-def main(config: JobConfig) -> TrainResult:
+def main(config: JobConfig, *, observer: StepObserver | None = None) -> TrainResult:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     dims = validate_config(config, world_size)  # every rank checks, before any collective
@@ -117,13 +132,13 @@ def main(config: JobConfig) -> TrainResult:
     if world_size > 1:
         init_distributed(device, config.comm.init_timeout_seconds)
     try:
-        return _train(config, dims, device, reporting)
+        return _train(config, dims, device, reporting, observer)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> TrainResult:
+def _train(config: JobConfig, dims, device: torch.device, reporting: bool, observer: StepObserver | None) -> TrainResult:
     meshes = build_meshes(dims, device.type)
     init_determinism(config.debug.seed, config.debug.deterministic)
     logger.info("job: %s | %s", config.job.description, dims.describe())
@@ -197,6 +212,7 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> Tr
             loss, grad_norm = train_step(
                 parts, optimizers, microbatches, max_norm=config.training.max_norm, autocast=autocast,
                 loss_context=loss_context, meshes=meshes,
+                on_grads=None if observer is None else (lambda: observer.on_grads(step, parts)),  # noqa: B023
             )
             optimizers.lr_step()
             loss_value, norm_value = loss.item(), grad_norm.item()  # .item() waits for the device
@@ -214,6 +230,8 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool) -> Tr
             metrics.log(StepStats(step, loss_value, norm_value, lr), tokens)
             checkpointer.maybe_save(step, last=step == last_step, final=step == config.training.steps)
         checkpointer.wait()
+        if observer is not None:
+            observer.on_end(parts)
     finally:
         gc.enable()
         metrics.close()

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from tests.parity import merge
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "distributed" / "worker.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
@@ -13,11 +17,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB
        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fixtures"), os.environ.get("PYTHONPATH", "")])}
 
 # Shared by every parity run: tiny Llama, fp32, deterministic, global batch of 8 sequences.
+# Adam's eps is large (1e-4, above the gradients' float32 noise but below their typical size):
+# with the default 1e-8, Adam turns 1e-7 rounding noise in near-zero gradient entries into
+# full-size updates, and later steps differ by more than any layout does. The LR floor keeps
+# the last step's update nonzero, so parameters after the last step are a real comparison.
 PARITY = [
     "--model.overrides.dim", "64", "--model.overrides.n_layers", "2", "--model.overrides.n_heads", "4",
     "--model.overrides.n_kv_heads", "2", "--model.overrides.vocab_size", "512",
     "--training.seq_len", "32", "--training.steps", "3", "--training.global_batch_size", "8",
-    "--lr_scheduler.warmup_steps", "1", "--optimizer.lr", "3e-3",
+    "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.min_lr_factor", "0.1", "--optimizer.lr", "3e-3",
+    "--optimizer.eps", "1e-4",
     "--metrics.no-enable_tensorboard", "--debug.deterministic", "--training.mixed_precision_param", "float32",
 ]
 
@@ -31,9 +40,12 @@ def torchrun(nproc: int, args: list[str], tmp_path: Path, timeout: int = 300) ->
 
 
 def run_layout(nproc: int, overrides: list[str], tmp_path: Path, base: list[str] = PARITY) -> dict:
-    """Per-step results of a ``nproc``-rank run of ``base`` (default: the tiny Llama) plus ``overrides``."""
+    """Per-step results (losses, grad norms, every tensor) of a ``nproc``-rank run of ``base`` (default: the tiny Llama) plus ``overrides``."""
     out = tmp_path / f"result_{nproc}_{abs(hash(tuple(overrides)))}.json"
     args = [str(WORKER), str(out), *base, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
     proc = torchrun(nproc, args, tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    # Every rank's gradients and parameters (tests/parity.py), copies side by side.
+    result["tensors"] = merge([torch.load(f"{out}.rank{r}.pt") for r in range(nproc)])
+    return result

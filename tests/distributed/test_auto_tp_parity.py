@@ -1,16 +1,16 @@
 """Automatic TP plans reproduce the single-process run, for Llama (hand plan off) and a GPT-2-style
 family registered from outside the package, alone and composed with FSDP and pipeline stages.
 
-Tolerance: relative 1e-5 on every step's loss and grad norm (fp32, CPU, gloo).
+Tolerance: relative 1e-5 on every step's loss and grad norm, and per tensor on every parameter's
+gradient per step and value after the last step (tests/parity.py; fp32, CPU, gloo).
 """
 
 import pytest
 
 from tests.distributed.harness import PARITY, run_layout
+from tests.parity import assert_parity, record
 from trainer.config import load_config
-from trainer.train import main
 
-REL = 1e-5
 P = "--parallelism."
 AUTO = [P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", P + "no-enable_sequence_parallel"]
 GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
@@ -31,7 +31,7 @@ def references(tmp_path_factory):
     def get(family):
         if family not in cache:
             dump = tmp_path_factory.mktemp("ref")
-            cache[family] = main(load_config(overrides=FAMILIES[family] + ["--training.local_batch_size", "8",
+            cache[family] = record(load_config(overrides=FAMILIES[family] + ["--training.local_batch_size", "8",
                                                                            "--job.dump_folder", str(dump)]))
         return cache[family]
 
@@ -42,11 +42,10 @@ def references(tmp_path_factory):
 def test_auto_tp_with_replicated_fused_attention(references, tmp_path):
     """The fused q/k/v projection stays replicated, the MLP is split: still the single-process numbers."""
     fused = RUN + GPT[:-1] + ["tiny_fused", "--model.overrides.n_layers", "4"]
-    reference = main(load_config(overrides=fused + ["--training.local_batch_size", "8", "--job.dump_folder",
-                                                    str(tmp_path / "ref")]))
+    reference, tensors = record(load_config(overrides=fused + ["--training.local_batch_size", "8", "--job.dump_folder",
+                                                               str(tmp_path / "ref")]))
     result = run_layout(2, fused + LAYOUTS["TP2"][1], tmp_path, base=[])
-    assert result["losses"] == pytest.approx(reference.losses, rel=REL)
-    assert result["grad_norms"] == pytest.approx(reference.grad_norms, rel=REL)
+    assert_parity("auto-TP2 fused qkv (gpt)", result, reference, tensors)
 
 
 @pytest.mark.slow
@@ -55,6 +54,5 @@ def test_auto_tp_with_replicated_fused_attention(references, tmp_path):
 def test_auto_tp_matches_single_process(family, layout, references, tmp_path):
     nproc, overrides = LAYOUTS[layout]
     result = run_layout(nproc, FAMILIES[family] + overrides, tmp_path, base=[])
-    reference = references(family)
-    assert result["losses"] == pytest.approx(reference.losses, rel=REL)
-    assert result["grad_norms"] == pytest.approx(reference.grad_norms, rel=REL)
+    reference, tensors = references(family)
+    assert_parity(f"auto-{layout} ({family})", result, reference, tensors)

@@ -1,4 +1,6 @@
-"""Run under torchrun: train with the given overrides and have rank 0 write the per-step results.
+"""Run under torchrun: train with the given overrides, recording every parameter's gradient per
+step and its value at the end (tests/parity.py). Rank 0 writes the per-step losses and grad norms
+to OUT.json; every rank writes its tensors to OUT.json.rank<N>.pt.
 
     torchrun --nproc_per_node 4 tests/distributed/worker.py OUT.json --parallelism.tensor_parallel_degree 2 ...
 """
@@ -10,11 +12,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
+
+from tests.parity import Recorder, tied_aliases  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.train import main  # noqa: E402
 
 if __name__ == "__main__":
     out, overrides = sys.argv[1], sys.argv[2:]
-    result = main(load_config(overrides=overrides))
-    if int(os.environ.get("RANK", "0")) == 0:
+    config = load_config(overrides=overrides)
+    recorder = Recorder(tied_aliases(config))
+    result = main(config, observer=recorder)
+    rank = int(os.environ.get("RANK", "0"))
+    torch.save(recorder.tensors, f"{out}.rank{rank}.pt")
+    if rank == 0:
         Path(out).write_text(json.dumps({"losses": result.losses, "grad_norms": result.grad_norms}))
