@@ -1,0 +1,59 @@
+"""The debug model's first steps on CPU against a recorded golden file.
+
+Any change to the numerics anywhere (model, data, tokenizer, loss, optimizer, init) moves these
+numbers; the test makes that visible, and the change is acknowledged by re-recording the file
+with a reason:
+
+    python -m tests.integration.test_golden --reason "rotary embedding as a complex multiply"
+
+Tolerance: relative 1e-5 per step. The file is recorded on the project's CPU machines (torch
+2.13 CPU, x86-64); another CPU or torch build may round differently and need its own file.
+"""
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden" / "debug_model_cpu.json"
+REL = 1e-5
+OVERRIDES = ["--training.steps", "5", "--debug.deterministic", "--training.mixed_precision_param", "float32",
+             "--metrics.no-enable_tensorboard"]
+
+
+def run(dump: Path):
+    from trainer.config import load_config
+    from trainer.train import main
+
+    return main(load_config("configs/debug_model.toml", OVERRIDES + ["--job.dump_folder", str(dump)]))
+
+
+def test_debug_model_matches_the_golden_file(tmp_path):
+    golden = json.loads(GOLDEN.read_text())
+    result = run(tmp_path)
+    hint = f"numerics changed; if intended, re-record: python -m tests.integration.test_golden --reason '...'"
+    assert result.losses == pytest.approx(golden["losses"], rel=REL), hint
+    assert result.grad_norms == pytest.approx(golden["grad_norms"], rel=REL), hint
+    # The LR needs no recording: 2 warm-up steps to 8e-4, then linear decay to 0 at step 5.
+    assert result.lrs == pytest.approx([8e-4 * f for f in (1 / 2, 1, 2 / 3, 1 / 3, 0)], rel=1e-12)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    import torch
+
+    parser = argparse.ArgumentParser(description="Re-record the golden losses of the debug model.")
+    parser.add_argument("--reason", required=True, help="why the numbers changed (kept in the file)")
+    reason = parser.parse_args().reason
+    with tempfile.TemporaryDirectory() as dump:
+        result = run(Path(dump))
+    GOLDEN.write_text(json.dumps({
+        "config": "configs/debug_model.toml", "overrides": OVERRIDES, "reason": reason,
+        "recorded_with": f"torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}",
+        "losses": result.losses, "grad_norms": result.grad_norms,
+    }, indent=1) + "\n")
+    print(f"wrote {GOLDEN}", file=sys.stderr)
