@@ -2,7 +2,9 @@
 
 A checkpoint is the folder ``<dump>/<[checkpoint] folder>/step-N``. It is written as
 ``step-N.tmp`` and renamed once complete, so a crash or kill during a save never leaves a
-half-written ``step-N``; the previous one stays the latest loadable checkpoint.
+half-written ``step-N``; the previous one stays the latest loadable checkpoint. A weights-only
+save (``last_save_model_only``) goes to ``model-step-N``, a name resuming never picks: only a
+full checkpoint continues a run.
 
 Everything is keyed by global parameter names (tied copies under their canonical name) and
 the data position is global, so a checkpoint resumes under any parallel layout: DCP reshards
@@ -31,7 +33,8 @@ from trainer.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+# The LR schedule is a function of the step counter in train_state, so it is not a part of its own.
+PARTS = ("model", "optimizer", "dataloader", "train_state", "rng")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,6 +54,15 @@ def complete_steps(folder: Path) -> list[int]:
     if not folder.is_dir():
         return []
     return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+
+
+def _is_full(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` can continue a run (it holds the step counter)."""
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: let _load report it
+        return True
+    return any(key.startswith("train_state.") for key in keys)
 
 
 class Checkpointer:
@@ -97,7 +109,6 @@ class Checkpointer:
             return state
         position = self.loader.state_dict()
         state["optimizer"] = self._optimizer_state()
-        state["lr_scheduler"] = {"completed_steps": torch.tensor(step)}
         state["dataloader"] = {k: torch.tensor(v) for k, v in position.items()}
         state["train_state"] = {"step": torch.tensor(step)}
         state["rng"] = self._rng_state()
@@ -114,7 +125,7 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------------------
     def maybe_save(self, step: int, *, last: bool, final: bool) -> None:
         """Save at every ``interval`` and at this run's ``last`` step. At the ``final`` step of
-        training, ``last_save_model_only`` saves the weights alone, and ``export_hf`` exports them."""
+        training, ``last_save_model_only`` also writes the weights alone, and ``export_hf`` exports them."""
         if final and self.cfg.export_hf:
             from trainer.hf import export_hf
 
@@ -123,37 +134,40 @@ class Checkpointer:
         if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
             return
         self.wait()  # at most one save in flight: the next waits for the previous
-        model_only = final and self.cfg.last_save_model_only
-        state = self._state(step, model_only=model_only)
-        if model_only and self.cfg.export_dtype != "float32":
+        # The full state is saved at the end too, so that raising [training] steps continues the run.
+        self._save(self._state(step), f"step-{step}", background=self.cfg.async_mode == "async" and not last)
+        if final and self.cfg.last_save_model_only:
             dtype = _DTYPES[self.cfg.export_dtype]
-            state["model"] = {k: v.to(dtype) for k, v in state["model"].items()}
-        tmp = self.folder / f"step-{step}.tmp"
+            self._save({"model": {k: v.to(dtype) for k, v in self._model_state().items()}}, f"model-step-{step}",
+                       background=False)
+
+    def _save(self, state: dict, name: str, *, background: bool) -> None:
+        tmp = self.folder / f"{name}.tmp"
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        if self.cfg.async_mode == "async" and not last:
-            self.pending = (dcp.async_save(state, checkpoint_id=str(tmp)), step)
-            logger.info("checkpoint step-%d: saving in the background", step)
+        if background:
+            self.pending = (dcp.async_save(state, checkpoint_id=str(tmp)), name)
+            logger.info("checkpoint %s: saving in the background", name)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
-            self._publish(step)
+            self._publish(name)
 
     def wait(self) -> None:
         """Finish an asynchronous save, if one is in flight."""
         if self.pending is not None:
-            future, step = self.pending
+            future, name = self.pending
             future.result()
             self.pending = None
             _barrier()  # every rank's files are written before the folder is published
-            self._publish(step)
+            self._publish(name)
 
-    def _publish(self, step: int) -> None:
+    def _publish(self, name: str) -> None:
         if _rank() == 0:
-            final = self.folder / f"step-{step}"
+            final = self.folder / name
             shutil.rmtree(final, ignore_errors=True)
-            (self.folder / f"step-{step}.tmp").rename(final)
+            (self.folder / f"{name}.tmp").rename(final)
             logger.info("checkpoint saved: %s", final)
             self._purge()
         _barrier()
@@ -174,9 +188,19 @@ class Checkpointer:
                     f"[checkpoint] load_step={self.cfg.load_step}: no complete checkpoint {self.folder}/step-"
                     f"{self.cfg.load_step} (available: {steps or 'none'})"
                 )
-            return self._load(self.folder / f"step-{self.cfg.load_step}", self.cfg.load_step)
-        if steps:
-            return self._load(self.folder / f"step-{steps[-1]}", steps[-1])
+            path = self.folder / f"step-{self.cfg.load_step}"
+            if not _is_full(path):
+                raise UserError(
+                    f"[checkpoint] load_step={self.cfg.load_step}: {path} holds model weights only and cannot continue a"
+                    " run; start from it with [checkpoint] initial_load_path in a new dump folder"
+                )
+            return self._load(path, self.cfg.load_step)
+        for step in reversed(steps):
+            path = self.folder / f"step-{step}"
+            if _is_full(path):
+                return self._load(path, step)
+            # Written by an older version as the final weights-only save: not a run to continue.
+            logger.warning("checkpoint %s holds model weights only; resuming from an earlier full checkpoint", path)
         if self.cfg.initial_load_path:
             from trainer.hf import is_hf_folder, load_hf_
 
@@ -230,8 +254,9 @@ class Checkpointer:
                 chunk_state = {k: state["optimizer"][self._canonical(k)] for k in keys}
                 set_optimizer_state_dict(chunk, opt, chunk_state, options=_OPTIM)
         resumed = int(state["train_state"]["step"]) if "train_state" in state else 0
-        if "lr_scheduler" in state:
-            self.optimizers.set_schedule_position(int(state["lr_scheduler"]["completed_steps"]))
+        # The LR schedule continues from the step the run continues from (0 when train_state is
+        # excluded: both restart), so the schedule and the step counter always agree.
+        self.optimizers.set_schedule_position(resumed)
         if "dataloader" in state:
             self.loader.load_state_dict({k: int(v) for k, v in state["dataloader"].items()})
         if "rng" in state:

@@ -58,13 +58,14 @@ class MetricsLogger:
         device: torch.device,
         flops_per_token: float,
         dp_degree: int,
+        world_size: int,
         config_toml: str = "",
     ):
         self.log_freq = metrics.log_freq
         self.enabled = enabled
         self.device = device
         self.flops_per_token = flops_per_token
-        self.dp_degree = dp_degree
+        self.dp_degree, self.world_size = dp_degree, world_size
         self.peak = peak_flops(device, metrics.peak_flops)
         self.writer = None
         if enabled and metrics.enable_tensorboard:
@@ -82,20 +83,23 @@ class MetricsLogger:
         return step % self.log_freq == 0 or step == 1
 
     def log(self, stats: StepStats, tokens: int) -> dict[str, float]:
-        """Record one step; ``tokens`` is the number this device processed in it."""
+        """Record one step; ``tokens`` is the number this rank's data-parallel replica trained on in it
+        (its TP/PP peers share the same tokens)."""
         self._window_tokens += tokens
         self._window_steps += 1
         if not self.should_log(stats.step):
             return {}
         elapsed = time.perf_counter() - self._window_start
-        tps = self._window_tokens / elapsed
+        # Data-parallel replicas see different tokens; the TP/PP peers of a replica share its tokens,
+        # so the job's rate is dp replicas' worth, spread over every device of the job.
+        job_tps = self._window_tokens / elapsed * self.dp_degree
+        tps = job_tps / self.world_size
         values = {
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
             "lr": stats.lr,
             "tokens_per_second_per_device": tps,
-            # Data-parallel ranks see different tokens; TP/PP peers share theirs.
-            "tokens_per_second": tps * self.dp_degree,
+            "tokens_per_second": job_tps,
             "step_time_s": elapsed / self._window_steps,
         }
         if self.peak:

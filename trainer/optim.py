@@ -42,6 +42,7 @@ def lr_factor(step: int, lr_scheduler, steps: int) -> float:
 
     Linear warm-up reaches 1 at step ``warmup_steps``; the last ``decay_steps`` steps decay
     to ``min_lr_factor``, reaching it exactly at the last step; in between the lr is flat.
+    Never negative: beyond ``steps`` the factor stays at the floor.
     """
     warmup = lr_scheduler.warmup_steps
     if step <= warmup:
@@ -50,7 +51,7 @@ def lr_factor(step: int, lr_scheduler, steps: int) -> float:
     decay_start = steps - decay
     if decay == 0 or step <= decay_start:
         return 1.0
-    progress = (step - decay_start) / decay  # in (0, 1]
+    progress = min((step - decay_start) / decay, 1.0)  # in (0, 1]; past the last step the floor holds
     shape = {
         "linear": 1.0 - progress,
         "sqrt": 1.0 - math.sqrt(progress),

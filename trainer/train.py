@@ -189,6 +189,7 @@ def _train(config: JobConfig, dims, device: torch.device, reporting: bool, obser
         device=device,
         flops_per_token=flops_per_token,
         dp_degree=dims.dp,
+        world_size=dims.world_size,
         config_toml=config_toml,
     )
     per_pp_rank = dims.world_size // dims.pp

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.distributed.harness import ENV, PARITY, REPO, run_layout
@@ -74,11 +75,46 @@ def test_retention_and_model_only_final_export(tmp_path):
     train(args, tmp_path)
     folder = tmp_path / "checkpoint"
     assert complete_steps(folder) == [4, 5]
-    final = FileSystemReader(str(folder / "step-5")).read_metadata().state_dict_metadata
-    assert {k.split(".")[0] for k in final} == {"model"}
-    assert all(m.properties.dtype == torch.bfloat16 for m in final.values())
-    full = FileSystemReader(str(folder / "step-4")).read_metadata().state_dict_metadata
-    assert {k.split(".")[0] for k in full} == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
+    weights = FileSystemReader(str(folder / "model-step-5")).read_metadata().state_dict_metadata
+    assert {k.split(".")[0] for k in weights} == {"model"}
+    assert all(m.properties.dtype == torch.bfloat16 for m in weights.values())
+    for step in (4, 5):  # the final step is a full, resumable checkpoint too
+        full = FileSystemReader(str(folder / f"step-{step}")).read_metadata().state_dict_metadata
+        assert {k.split(".")[0] for k in full} == {"model", "optimizer", "dataloader", "train_state", "rng"}
+
+
+def test_continuing_a_finished_run_resumes_its_full_state(tmp_path):
+    # A constant LR after warm-up (decay_ratio 0) makes a 4-step run the first 4 steps of a 6-step one.
+    args = ["--training.local_batch_size", "8", "--lr_scheduler.decay_ratio", "0", *CKPT]
+    straight = train(args + ["--training.steps", "6"], tmp_path / "straight")
+    finished = train(args + ["--training.steps", "4"], tmp_path / "run")  # final save with last_save_model_only
+    assert finished.losses == straight.losses[:4]
+    again = train(args + ["--training.steps", "4"], tmp_path / "run")  # re-running a finished job trains nothing
+    assert again.losses == []
+    more = train(args + ["--training.steps", "6"], tmp_path / "run")  # raising steps continues from step 5
+    assert more.losses == straight.losses[4:] and more.lrs == straight.lrs[4:]
+
+
+def test_weights_only_step_folder_is_never_resumed(tmp_path):
+    args = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
+    train(args + ["--training.stop_at_step", "2"], tmp_path)
+    # What an older version wrote at the final step: weights only, under a step name.
+    dcp.save({"model": {"x": torch.zeros(1)}}, checkpoint_id=str(tmp_path / "checkpoint" / "step-3"))
+    with pytest.raises(UserError, match="load_step=3: .*step-3 holds model weights only .*initial_load_path"):
+        train(args + ["--checkpoint.load_step", "3"], tmp_path)
+    resumed = train(args, tmp_path)  # the newest full checkpoint (step 2) continues the run
+    assert len(resumed.losses) == 2
+
+
+def test_excluding_train_state_restarts_the_step_and_the_lr_schedule_together(tmp_path):
+    args = ["--training.local_batch_size", "8", "--training.steps", "6", *CKPT]
+    fresh = train(args, tmp_path / "fresh")
+    train(args + ["--training.stop_at_step", "4"], tmp_path / "run")
+    restarted = train(args + ["--checkpoint.exclude_from_loading", "train_state"], tmp_path / "run")
+    # Steps 1..6 again on the resumed weights: the LR follows the step counter, never below zero.
+    assert restarted.lrs == fresh.lrs and min(restarted.lrs) > 0
+    with pytest.raises(UserError, match="'lr_scheduler' is not a separate part.*exclude 'train_state'"):
+        load_config(overrides=args + ["--checkpoint.exclude_from_loading", "lr_scheduler"])
 
 
 def test_initial_load_path_and_exclusions(tmp_path):

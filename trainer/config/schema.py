@@ -201,9 +201,9 @@ class Checkpoint:
     initial_load_path: str = ""
     """Weights to start from when the run folder has no checkpoint: a DCP step folder or a Hugging Face safetensors folder."""
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts of the state not to load, e.g. ["optimizer", "dataloader"]."""
+    """Parts of the state not to load: model, optimizer, dataloader, train_state (step counter and LR schedule), rng."""
     last_save_model_only: bool = True
-    """Save only the model weights at the last step."""
+    """At the last step, also write the weights alone (in export_dtype) to <folder>/model-step-N; the full, resumable step-N is saved too."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the model-only final save and of the Hugging Face export."""
     export_hf: bool = False

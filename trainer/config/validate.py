@@ -85,6 +85,11 @@ def _check_parallelism(config: JobConfig) -> None:
     from trainer.checkpoint import PARTS
 
     for name in config.checkpoint.exclude_from_loading:
+        if name == "lr_scheduler":
+            raise ConfigError(
+                "[checkpoint] exclude_from_loading: 'lr_scheduler' is not a separate part: the LR schedule follows the"
+                " step counter; exclude 'train_state' to restart both"
+            )
         if name not in PARTS:
             raise ConfigError(f"[checkpoint] exclude_from_loading: unknown part {name!r} (parts: {', '.join(PARTS)})")
     ac = config.activation_checkpoint
