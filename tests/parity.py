@@ -141,6 +141,11 @@ def assert_parity(case: str, result: dict, reference, tensors_ref: Tensors, rtol
 
     assert result["losses"] == pytest.approx(reference.losses, rel=rtol), case
     assert result["grad_norms"] == pytest.approx(reference.grad_norms, rel=rtol), case
+    # The logged norm is the norm of the gradients, to float32 rounding (not a float32 accumulation).
+    steps = range(1, len(reference.grad_norms) + 1)
+    exact = [sum(t[0].double().norm().item() ** 2 for k, t in tensors_ref.items() if _group(k) == f"grad/{s}") ** 0.5
+             for s in steps]
+    assert result["grad_norms"] == pytest.approx(exact, rel=1e-6), case
     cmp = compare(result["tensors"], tensors_ref, rtol)
     REPORT.append(f"{case:<34} worst {cmp.worst_rel:.2e}  {cmp.worst_key}")
     assert cmp.ok, f"{case}: {len(cmp.failures)} tensors differ:\n" + "\n".join(cmp.failures[:20])

@@ -39,12 +39,22 @@ def torchrun(nproc: int, args: list[str], tmp_path: Path, timeout: int = 300) ->
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
+def failure_report(proc: subprocess.CompletedProcess, tmp_path: Path) -> str:
+    """The first traceback of a failed launch (the rank that failed first, not the peers it took
+    down) and the end of the output; the whole output is kept in tmp_path/torchrun.log."""
+    log = tmp_path / "torchrun.log"
+    log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    first = proc.stderr.find("Traceback")
+    head = proc.stderr[first:first + 3000] if first >= 0 else ""
+    return f"exit {proc.returncode}; full output in {log}\n{head}\n...\n{proc.stderr[-1500:]}"
+
+
 def run_layout(nproc: int, overrides: list[str], tmp_path: Path, base: list[str] = PARITY) -> dict:
     """Per-step results (losses, grad norms, every tensor) of a ``nproc``-rank run of ``base`` (default: the tiny Llama) plus ``overrides``."""
     out = tmp_path / f"result_{nproc}_{abs(hash(tuple(overrides)))}.json"
     args = [str(WORKER), str(out), *base, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
     proc = torchrun(nproc, args, tmp_path)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_report(proc, tmp_path)
     result = json.loads(out.read_text())
     # Every rank's gradients and parameters (tests/parity.py), copies side by side.
     result["tensors"] = merge([torch.load(f"{out}.rank{r}.pt") for r in range(nproc)])

@@ -9,6 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.distributed.harness import ENV, PARITY, REPO, run_layout
+from tests.parity import REPORT, compare, record
 from trainer.checkpoint import complete_steps
 from trainer.config import load_config
 from trainer.errors import UserError
@@ -44,11 +45,19 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path):
     run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
     resumed = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
     assert resumed["losses"] == straight["losses"][3:] and resumed["grad_norms"] == straight["grad_norms"][3:]
+    # Steps 4-6 of the straight run, every gradient and the final parameters: what a resume must reproduce.
+    after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
+    same_layout = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
+    assert same_layout.ok, same_layout.failures[:10]  # bit for bit
     # The step-3 checkpoint of PP2 x FSDP2 (4 ranks) resumed by one process: DCP reshards.
-    single = train(["--model.overrides.n_layers", "4", "--training.local_batch_size", "8", "--training.steps", "6",
-                    *CKPT, "--checkpoint.load_step", "3"], tmp_path / "r")
+    single, tensors = record(load_config(overrides=PARITY + [
+        "--model.overrides.n_layers", "4", "--training.local_batch_size", "8", "--training.steps", "6", *CKPT,
+        "--checkpoint.load_step", "3", "--job.dump_folder", str(tmp_path / "r")]))
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
     assert single.grad_norms == pytest.approx(straight["grad_norms"][3:], rel=1e-5)
+    other_layout = compare(tensors, after)
+    REPORT.append(f"{'resume PP2xFSDP2 -> 1 process':<34} worst {other_layout.worst_rel:.2e}  {other_layout.worst_key}")
+    assert other_layout.ok, other_layout.failures[:10]
 
 
 @pytest.mark.slow
