@@ -1,8 +1,11 @@
 """Command-line entry point: ``python train.py --job.config_file configs/debug_model.toml [--section.key value ...]``.
 
 Parses the config, then calls ``trainer.train.main``. User errors print one line and exit 2.
+``--print-config`` and ``--dry-run`` build the job plan too, so they report every error a run
+would (``run_train.sh`` runs ``--print-config`` with WORLD_SIZE set before launching anything).
 """
 
+import os
 import sys
 
 from trainer.errors import UserError
@@ -16,13 +19,18 @@ def run(argv: list[str]) -> int:
         if invocation.action == "help":
             print(help_text())
             return 0
-        if invocation.action == "print-config":
-            print(to_toml(invocation.config), end="")
-            return 0
-        if invocation.action == "dry-run":
-            from trainer.plan import describe_plan
+        if invocation.action in ("print-config", "dry-run"):
+            from trainer.plan import build_job_plan
 
-            print(describe_plan(invocation.config, invocation.world_size or _degrees_product(invocation.config)), end="")
+            env_world = os.environ.get("WORLD_SIZE", "")
+            world_size = invocation.world_size or (int(env_world) if env_world.isdigit() else None)
+            plan = build_job_plan(invocation.config, world_size or _degrees_product(invocation.config))
+            if invocation.action == "print-config":
+                print(to_toml(invocation.config), end="")
+            else:
+                from trainer.dry_run import describe_plan
+
+                print(describe_plan(plan), end="")
             return 0
         from trainer.train import main
 

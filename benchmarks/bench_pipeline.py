@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_parallel import launch_job  # noqa: E402
 
-from trainer.parallel.pipeline_split import SINGLE_STAGE  # noqa: E402
+from trainer.config.schedules import SCHEDULES  # noqa: E402
 from trainer.parallel.schedule_sim import bubble_fraction  # noqa: E402
 
 MODEL = [
@@ -29,7 +29,6 @@ MODEL = [
     "--model.overrides.n_kv_heads", "8", "--training.seq_len", "128", "--training.local_batch_size", "8",
     "--lr_scheduler.warmup_steps", "1",
 ]
-SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]
 
 
 def median_step(ranks: list[dict], warmup: int) -> float:
@@ -39,7 +38,7 @@ def median_step(ranks: list[dict], warmup: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", nargs="+", type=int, default=[2, 4])
-    parser.add_argument("--schedules", nargs="+", default=SCHEDULES)
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
@@ -54,7 +53,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|")
         for pp in args.pp:
             for schedule in args.schedules:
-                spr = 1 if schedule in SINGLE_STAGE else 2
+                spr = 1 if SCHEDULES[schedule].stages_per_rank == "one" else 2
                 overrides = ["--parallelism.pipeline_parallel_degree", str(pp),
                              "--parallelism.pipeline_parallel_schedule", schedule]
                 ranks = launch_job(pp, MODEL + steps + overrides, tmp, f"{pp}_{schedule}", threads=1)

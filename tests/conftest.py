@@ -43,3 +43,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("parity: worst tensor per case (||a - b|| / ||b||)")
         for line in REPORT:
             terminalreporter.write_line(line)
+
+
+def load_plan(overrides: list[str], world_size: int | None = None, config_file=None):
+    """Config + job plan, as a run builds them (model-level checks happen in the plan); the world
+    size defaults to the product of the configured degrees."""
+    from trainer.config import load_config
+    from trainer.plan import build_job_plan
+
+    config = load_config(config_file, overrides)
+    if world_size is None:
+        p = config.parallelism
+        world_size = (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
+                      * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+    return build_job_plan(config, world_size)

@@ -59,8 +59,9 @@ class Recorder:
 
 def tied_aliases(config) -> dict[str, str]:
     """{alias: canonical} names of the job's tied weights (empty when untied)."""
-    from trainer.models import get_model_spec
+    from trainer.models import get_model_spec, import_model_modules
 
+    import_model_modules(config.model.modules)
     return get_model_spec(config.model.name).tied_weights if config.model.tie_embeddings else {}
 
 

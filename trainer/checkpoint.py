@@ -29,15 +29,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from trainer.config import schema
+from trainer.config.schema import CHECKPOINT_PARTS
+from trainer.dtypes import torch_dtype
 from trainer.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 # The LR schedule is a function of the step counter in train_state, so it is not a part of its own.
-PARTS = ("model", "optimizer", "dataloader", "train_state", "rng")
+PARTS = CHECKPOINT_PARTS
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _rank() -> int:
@@ -68,7 +70,7 @@ def _is_full(path: Path) -> bool:
 class Checkpointer:
     """Saves and restores one rank's share of the training state."""
 
-    def __init__(self, checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
+    def __init__(self, checkpoint: schema.Checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
                  pp_rank: int = 0, pp: int = 1, hf_writer: bool = True):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
         rank's file of a Hugging Face export (one writer per pipeline rank)."""
@@ -76,7 +78,7 @@ class Checkpointer:
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
         self.spec, self.args = spec, model_args
-        self.aliases = spec.tied_weights if getattr(model_args, "tie_embeddings", False) else {}
+        self.aliases = spec.tied_aliases(model_args)
         self.pp_rank, self.pp, self.hf_writer = pp_rank, pp, hf_writer
         self.pending = None  # (future, step) of an asynchronous save in flight
 
@@ -129,7 +131,7 @@ class Checkpointer:
         if final and self.cfg.export_hf:
             from trainer.hf import export_hf
 
-            export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}", _DTYPES[self.cfg.export_dtype],
+            export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}", torch_dtype(self.cfg.export_dtype),
                       pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer)
         if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
             return
@@ -137,7 +139,7 @@ class Checkpointer:
         # The full state is saved at the end too, so that raising [training] steps continues the run.
         self._save(self._state(step), f"step-{step}", background=self.cfg.async_mode == "async" and not last)
         if final and self.cfg.last_save_model_only:
-            dtype = _DTYPES[self.cfg.export_dtype]
+            dtype = torch_dtype(self.cfg.export_dtype)
             self._save({"model": {k: v.to(dtype) for k, v in self._model_state().items()}}, f"model-step-{step}",
                        background=False)
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.config.schema import Metrics
+
 logger = logging.getLogger(__name__)
 
 # Dense bf16 peak FLOP/s of one device, by a substring of its name.
@@ -51,7 +53,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        metrics,
+        metrics: Metrics,
         *,
         dump_folder: str,
         enabled: bool,

@@ -1,8 +1,7 @@
-"""Build what one rank trains: its model chunk(s), parallelised, materialised, and (with
-pipelining) the schedule that runs them. Also the loss function all paths share.
+"""Build what one rank trains, from the job plan: its model chunk(s), parallelised and
+materialised, and (with pipelining) the schedule that runs them.
 """
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -11,39 +10,29 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.config import JobConfig
-from trainer.loss import cross_entropy_sum
-from trainer.models import ModelSpec, resolve_model_args
+from trainer import loss as loss_mod
 from trainer.models.init import materialize_
 from trainer.parallel.mesh import Meshes
-from trainer.parallel.parallelize import parallelize, resolve_tp_plan
+from trainer.parallel.parallelize import parallelize
 from trainer.parallel.pipeline import build_chunk, build_schedule
-from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan
+from trainer.parallel.pipeline_split import PipelinePlan
+from trainer.plan import JobPlan
 
 logger = logging.getLogger(__name__)
 
 
-class ScaledLoss:
-    """Summed cross-entropy times ``scale``.
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss every path backpropagates: cross-entropy summed over label tokens.
 
-    The trainer sets ``scale`` = data-parallel degree / label tokens in the step before each
-    step, which makes gradients the token-mean of one big batch (see trainer.train). Nothing
-    is recorded here: pipeline schedules also call the loss on placeholder outputs while they
-    infer shapes, so losses are read from what the forward (or the schedule) returns.
-    """
-
-    def __init__(self):
-        self.scale: torch.Tensor | float = 1.0
-
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, labels) * self.scale
+    The step divides gradients by the global token count afterwards (see trainer.train), so the
+    loss carries no per-step state and pipeline schedules can call it at any time."""
+    return loss_mod.cross_entropy_sum(logits, labels)
 
 
 @dataclass
 class ModelParts:
     chunks: nn.ModuleList
     """This rank's model chunks (one without pipelining)."""
-    loss: ScaledLoss
     plan: PipelinePlan | None = None
     stage_ids: list[int] = field(default_factory=list)
     schedule: object | None = None
@@ -79,22 +68,6 @@ class ModelParts:
             dist.all_reduce(grads[0], group=self.tied_group)
 
 
-def build_model(config: JobConfig, spec: ModelSpec) -> nn.Module:
-    """The whole model of ``[model]`` on the meta device, its rotary table sized to seq_len."""
-    args = resolve_model_args(spec, config.model)
-    if hasattr(args, "max_seq_len"):
-        args = dataclasses.replace(args, max_seq_len=config.training.seq_len)
-    with torch.device("meta"):
-        return spec.model_cls(args)
-
-
-def pipeline_plan(config: JobConfig, spec: ModelSpec, model: nn.Module) -> PipelinePlan:
-    return build_pipeline_plan(
-        config.parallelism, model, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,
-        seq_len=config.training.seq_len,
-    )
-
-
 def _tied_pair_group(meshes: Meshes) -> dist.ProcessGroup:
     """Group of this rank's first- and last-pipeline-rank peers (same dp/cp/tp coordinates).
 
@@ -110,50 +83,45 @@ def _tied_pair_group(meshes: Meshes) -> dist.ProcessGroup:
     return mine
 
 
-def build_model_parts(config: JobConfig, spec: ModelSpec, meshes: Meshes, device: torch.device,
-                      param_dtype: torch.dtype) -> ModelParts:
-    loss = ScaledLoss()
-    whole = build_model(config, spec)
-    if meshes.pp is None:
-        chunks, stage_ids, plan = [whole], [], None
+def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> ModelParts:
+    """This rank's chunks: one meta-device model build per chunk, then TP/AC/compile/FSDP, then weights."""
+    config, spec, pipeline = plan.config, plan.spec, plan.pipeline
+    if pipeline is None:
+        chunks, stage_ids = [plan.build_model()], []
     else:
-        plan = pipeline_plan(config, spec, whole)
-        stage_ids = plan.stage_ids(meshes.world.get_local_rank("pp"))
-        chunks = [build_chunk(lambda: build_model(config, spec), spec, plan.stages[i]) for i in stage_ids]
+        stage_ids = pipeline.stage_ids(meshes.world.get_local_rank("pp"))
+        chunks = [build_chunk(plan.build_model, spec, pipeline.stages[i]) for i in stage_ids]
         logger.info("pipeline: %s, stages %s on this rank, split points %s",
-                    plan.schedule, stage_ids, plan.split_points(spec.layers_attr))
-    parts = ModelParts(nn.ModuleList(chunks), loss, plan, stage_ids)
-    tp_plan = resolve_tp_plan(spec, whole, config.parallelism, seq_len=config.training.seq_len)
+                    pipeline.schedule, stage_ids, pipeline.split_points(spec.layers_attr))
+    parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids)
     for chunk in chunks:
         parallelize(
             chunk, spec, meshes,
-            tp_plan=tp_plan,
+            tp_plan=plan.tp_plan,
             parallelism=config.parallelism,
             activation_checkpoint=config.activation_checkpoint,
             compile_enabled=config.compile.enable,
-            param_dtype=param_dtype,
+            param_dtype=plan.compute_dtype(device),
             reduce_dtype=config.training.mixed_precision_reduce,
-            pipelined=plan is not None,
+            pipelined=pipeline is not None,
         )
         materialize_(chunk, device, config.debug.seed)
         chunk.train()
-    tied_names = spec.tied_weights if getattr(whole.args, "tie_embeddings", False) else {}
-    if plan is not None and tied_names:
+    if pipeline is not None and plan.tied_aliases:
         # Across stages a tied weight is two parameters with equal initial values (init is keyed
         # by the canonical name); summing their gradients every step keeps them equal.
         for chunk in chunks:
-            for alias, canonical in tied_names.items():
+            for alias, canonical in plan.tied_aliases.items():
                 for name in (canonical, alias):
                     owner, _, attr = name.rpartition(".")
                     module = getattr(chunk, owner, None)
                     if module is not None:
                         parts.tied.append(getattr(module, attr))
-        if plan.style == "loop":
+        if pipeline.style == "loop":
             parts.tied_group = _tied_pair_group(meshes)
-    if plan is not None:
+    if pipeline is not None:
         parts.schedule = build_schedule(
-            plan, chunks, stage_ids, pp_mesh=meshes.pp, device=device,
-            n_microbatches=config.training.local_batch_size // config.parallelism.pipeline_parallel_microbatch_size,
-            loss_fn=loss, csv_path=config.parallelism.pipeline_parallel_schedule_csv,
+            pipeline, chunks, stage_ids, pp_mesh=meshes.pp, device=device, n_microbatches=plan.n_microbatches,
+            loss_fn=summed_loss, csv_path=config.parallelism.pipeline_parallel_schedule_csv,
         )
     return parts

@@ -7,10 +7,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
+from trainer.config import schema
 from trainer.config.validate import decay_steps
 
 
-def build_optimizer(model: nn.Module, optimizer) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, optimizer: schema.Optimizer) -> torch.optim.Optimizer:
     """AdamW/Adam over the model's parameters; ``optimizer`` is the ``[optimizer]`` section.
 
     Weight decay applies to matrices and embeddings; norms' 1-D gains are not decayed.
@@ -37,7 +38,7 @@ def build_optimizer(model: nn.Module, optimizer) -> torch.optim.Optimizer:
     )
 
 
-def lr_factor(step: int, lr_scheduler, steps: int) -> float:
+def lr_factor(step: int, lr_scheduler: schema.LRScheduler, steps: int) -> float:
     """Multiplier of the peak lr used at 1-based training ``step``.
 
     Linear warm-up reaches 1 at step ``warmup_steps``; the last ``decay_steps`` steps decay
@@ -61,7 +62,7 @@ def lr_factor(step: int, lr_scheduler, steps: int) -> float:
     return floor + (1.0 - floor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler, steps: int) -> LambdaLR:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, lr_scheduler: schema.LRScheduler, steps: int) -> LambdaLR:
     """Schedule stepped once per optimizer step. LambdaLR's counter starts at 0 for step 1."""
     return LambdaLR(optimizer, lambda i: lr_factor(i + 1, lr_scheduler, steps))
 
@@ -73,7 +74,8 @@ class ChunkOptimizers:
     checkpoints then do not depend on how the model was split.
     """
 
-    def __init__(self, chunks: list[nn.Module], optimizer, lr_scheduler, steps: int):
+    def __init__(self, chunks: list[nn.Module], optimizer: schema.Optimizer, lr_scheduler: schema.LRScheduler,
+                 steps: int):
         self.optimizers = [build_optimizer(chunk, optimizer) for chunk in chunks]
         self.schedulers = [build_lr_scheduler(o, lr_scheduler, steps) for o in self.optimizers]
         self._lr_scheduler, self._steps = lr_scheduler, steps

@@ -1,131 +1,176 @@
-"""The dry run: what would run where, before any device is spent. No process group needed.
+"""The job plan: everything decided from (config, world size) before a process group exists.
 
-``python train.py --job.config_file configs/llama3_8b.toml --dry-run --world-size 64``
+``build_job_plan`` is the one place that turns a config into what will run: the parallel
+degrees, the model's resolved args, the pipeline stages and their ranks, the tensor-parallel
+plan, the batch arithmetic, the reporting rank, FLOPs and memory per device. Building it is
+the validation: every user error is raised here, as one line naming the key. The dry run
+prints it, ``main`` trains from it, ``run_train.sh``'s pre-check builds it, and nothing
+recomputes what it holds.
 """
 
-from pathlib import Path
+import logging
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
-from trainer.config import JobConfig, validate_config
-from trainer.model_parts import build_model, pipeline_plan
-from trainer.models import get_model_spec
-from trainer.parallel.auto_tp import derive_tp_plan
-from trainer.parallel.mesh import DIM_NAMES
+from trainer.config import JobConfig
+from trainer.config.validate import check_batch
+from trainer.dtypes import torch_dtype
+from trainer.errors import ConfigError
+from trainer.models import ModelSpec, get_model_spec, import_model_modules, resolve_model_args
+from trainer.parallel.auto_tp import TPPlan
+from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import resolve_tp_plan
-from trainer.parallel.pipeline import build_chunk
-from trainer.parallel.pipeline_split import module_costs
-from trainer.parallel.schedule_sim import bubble_fraction, timeline
+from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs
+from trainer.parallel.schedule_sim import bubble_fraction, check_csv, check_schedule
+
+logger = logging.getLogger(__name__)
 
 # fp32 parameter + fp32 gradient + two fp32 Adam moments.
 BYTES_PER_PARAM = 16
 
 
-def _count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+@dataclass(frozen=True)
+class JobPlan:
+    config: JobConfig
+    dims: ParallelDims
+    spec: ModelSpec
+    model_args: Any
+    """The family's args with flavor, overrides, tied embeddings and seq_len applied."""
+    num_params: int
+    flops_per_token: float
+    """Training FLOPs per token (forward + backward), from the family."""
+    tp_plan: TPPlan | None
+    pipeline: PipelinePlan | None
+    accum_steps: int
+    """Microbatches per optimizer step on one data-parallel rank (gradient accumulation)."""
+    n_microbatches: int
+    """Microbatches per pipeline schedule step (1 without pipelining)."""
+    reporting_rank: int
+    """The rank that logs metrics: data/tensor-parallel rank 0 of the pipeline rank holding the last stage."""
+    stage_params: tuple[int, ...]
+    """Parameters of each pipeline stage (one entry, the whole model, without pipelining)."""
+    stage_flops: tuple[float, ...]
+    """Forward FLOPs per token of each stage (matmuls and attention scores)."""
+
+    def build_model(self) -> nn.Module:
+        """The whole model on the meta device (a pipeline chunk removes what its stage does not own)."""
+        with torch.device("meta"):
+            return self.spec.model_cls(self.model_args)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size(self.model_args)
+
+    @property
+    def tied_aliases(self) -> dict[str, str]:
+        return self.spec.tied_aliases(self.model_args)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.config.training.local_batch_size * self.dims.dp * self.accum_steps
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """``[training] mixed_precision_param``: auto = bfloat16 on accelerators, float32 on CPU."""
+        name = self.config.training.mixed_precision_param
+        if name == "auto":
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return torch_dtype(name)
+
+    def rank_params(self, pp_rank: int) -> int:
+        """Parameters held by pipeline rank ``pp_rank`` (all of them without pipelining)."""
+        if self.pipeline is None:
+            return self.num_params
+        return sum(self.stage_params[s] for s in self.pipeline.stage_ids(pp_rank))
+
+    def state_gib_per_device(self, pp_rank: int) -> float:
+        """fp32 parameters, gradients and Adam moments per device, split by FSDP x TP (no activations)."""
+        return self.rank_params(pp_rank) * BYTES_PER_PARAM / (self.dims.dp_shard * self.dims.tp) / 2**30
+
+    def bubble(self) -> float | None:
+        """Expected idle fraction of the pipeline ranks (None: no pipeline, or a CSV schedule)."""
+        p = self.pipeline
+        if p is None or p.schedule == "csv":
+            return None
+        return bubble_fraction(p.schedule, p.pp, self.n_microbatches, p.stages_per_rank)
 
 
-def _modules(chunk: nn.Module, spec) -> str:
-    names = [n for n in spec.pre_layers if getattr(chunk, n, None) is not None]
-    keys = list(getattr(chunk, spec.layers_attr).keys())
-    if keys:
-        names.append(f"{spec.layers_attr}.{keys[0]}" + (f"-{keys[-1]}" if len(keys) > 1 else ""))
-    names += [n for n in spec.post_layers if getattr(chunk, n, None) is not None]
-    return ", ".join(names)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header), fmt.format(*["-" * w for w in widths])] + [fmt.format(*r) for r in rows]
-
-
-def _tp_lines(config: JobConfig, spec, whole: nn.Module, tp: int) -> list[str]:
-    """The tensor-parallel plan, per module; with tensor_parallel_plan = auto, how it was derived."""
-    p = config.parallelism
-    if p.tensor_parallel_plan == "auto":
-        plan = derive_tp_plan(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,
-                              tp=tp, seq_len=config.training.seq_len, loss_parallel=not p.disable_loss_parallel,
-                              overrides=p.tensor_parallel_overrides)
-        return [f"Tensor parallel plan (derived automatically; block modules apply to every {spec.layers_attr}.N):"]\
-            + plan.describe()
-    top, block = resolve_tp_plan(spec, whole, p, seq_len=config.training.seq_len)
-    return [f"Tensor parallel plan ({spec.name}'s own; block modules apply to every {spec.layers_attr}.N):"] + [
-        f"  {name}: {type(style).__name__}" for name, style in {**top, **block}.items()
-    ]
-
-
-def describe_plan(config: JobConfig, world_size: int) -> str:
-    """The plan as text; also writes the schedule timeline into the dump folder when pipelined."""
-    dims = validate_config(config, world_size)
-    spec = get_model_spec(config.model.name)
-    whole = build_model(config, spec)
+def build_job_plan(config: JobConfig, world_size: int) -> JobPlan:
+    """Decide and check everything about the job that needs no process group. Raises ConfigError."""
     t, p = config.training, config.parallelism
-    accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
-    shard = dims.dp_shard * dims.tp  # ways each parameter is split in memory
-    lines = [
-        f"Plan: {config.job.description}",
-        f"Model: {config.model.name} {config.model.flavor}, {_count(whole) / 1e6:,.2f}M parameters,"
-        f" {spec.flops_per_token(whole.args, t.seq_len) / 1e9:.2f} GFLOP/token (training), seq_len {t.seq_len}",
-        f"World: {dims.describe()}",
-        "Mesh: (" + ", ".join(f"{n}={getattr(dims, n)}" for n in DIM_NAMES) + ")",
-        f"Batch: global {t.local_batch_size * dims.dp * accum} sequences = local {t.local_batch_size}"
-        f" x data-parallel {dims.dp} x accumulation {accum}",
-    ]
+    import_model_modules(config.model.modules)
+    spec = get_model_spec(config.model.name)
+    args = spec.with_seq_len(resolve_model_args(spec, config.model), t.seq_len)
+    dims = ParallelDims.from_config(p, world_size)
+    check_batch(t, dims.dp)
     if dims.tp > 1:
-        lines += _tp_lines(config, spec, whole, dims.tp)
-    if dims.pp == 1:
-        params = _count(whole)
-        lines.append(
-            f"No pipeline: every rank runs the whole model; {params / 1e6:,.2f}M parameters,"
-            f" ~{params * BYTES_PER_PARAM / shard / 2**30:.1f} GiB per device for parameters, gradients and"
-            f" Adam state (split {shard} ways by FSDP x TP; activations not included)"
-        )
-        return "\n".join(lines) + "\n"
-
-    plan = pipeline_plan(config, spec, whole)
-    n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
-    schedule = plan.schedule
-    if schedule == "csv":
-        bubble_text = f"from {p.pipeline_parallel_schedule_csv} (not simulated)"
-    else:
-        bubble = bubble_fraction(schedule, plan.pp, n_micro, plan.stages_per_rank)
-        bubble_text = f"expected bubble {100 * bubble:.1f}% (compute F=1, B=2, I=W=1; communication not modelled)"
-    lines += [
-        f"Pipeline: {schedule}, {plan.num_stages} stages, {plan.stages_per_rank} per rank,"
-        f" {'V' if plan.style == 'v' else 'loop'} placement, {n_micro} microbatches of"
-        f" {p.pipeline_parallel_microbatch_size} per step; {bubble_text}",
-        f"Split points: {plan.split_points(spec.layers_attr)}",
-        "",
-    ]
-    _, block_flops, _ = module_costs(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers,
-                                     post=spec.post_layers, mode="flops", seq_len=t.seq_len)
-    rows, rank_params = [], [0] * plan.pp
-    for stage in plan.stages:
-        chunk = build_chunk(lambda: build_model(config, spec), spec, stage)
-        params = _count(chunk)
-        flops = module_costs(chunk, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,
-                             mode="flops", seq_len=t.seq_len)
-        rank = plan.rank_of_stage(stage.index)
-        rank_params[rank] += params
-        rows.append([str(stage.index), str(rank), _modules(chunk, spec), f"{params / 1e6:,.1f}M",
-                     f"{(flops[0] + sum(flops[1]) + flops[2]) / 1e9:.2f}"])
-    lines += _table(["stage", "pp rank", "modules", "parameters", "fwd GFLOP/token"], rows)
-    lines.append("")
-    mem_rows = [
-        [str(r), ", ".join(str(s) for s in plan.stage_ids(r)), f"{rank_params[r] / 1e6:,.1f}M",
-         f"{rank_params[r] * BYTES_PER_PARAM / shard / 2**30:.2f}"]
-        for r in range(plan.pp)
-    ]
-    lines += _table(["pp rank", "stages", "parameters", "GiB per device"], mem_rows)
-    lines.append(
-        f"(GiB per device: fp32 parameters, gradients and Adam state, split {shard} ways by FSDP x TP;"
-        " activations not included)"
+        for name, count in spec.tp_divisible(args).items():
+            if count % dims.tp:
+                raise ConfigError(
+                    f"[parallelism] tensor_parallel_degree={dims.tp} must divide model {name}={count}"
+                    f" ({config.model.name} {config.model.flavor})"
+                )
+    with torch.device("meta"):
+        whole = spec.model_cls(args)  # the plan's one model build: sizes, costs, split, TP plan
+    num_params = sum(x.numel() for x in whole.parameters())
+    # Unshardable sizes fail here (a derived plan runs one meta forward), not after launch.
+    tp_plan = resolve_tp_plan(spec, whole, p, seq_len=t.seq_len)
+    pipeline, n_micro = None, 1
+    if dims.pp > 1:
+        pipeline = build_pipeline_plan(p, whole, layers_attr=spec.layers_attr, pre=spec.pre_layers,
+                                       post=spec.post_layers, seq_len=t.seq_len)
+        n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
+        if pipeline.schedule == "csv":
+            check_csv(p.pipeline_parallel_schedule_csv, pipeline.pp, pipeline.num_stages, n_micro)
+        else:
+            check_schedule(pipeline.schedule, pipeline.pp, n_micro, pipeline.stages_per_rank)
+    stage_params, stage_flops = _stage_costs(whole, spec, pipeline, t.seq_len)
+    plan = JobPlan(
+        config=config, dims=dims, spec=spec, model_args=args, num_params=num_params,
+        flops_per_token=spec.flops_per_token(args, t.seq_len), tp_plan=tp_plan, pipeline=pipeline,
+        accum_steps=1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp),
+        n_microbatches=n_micro, reporting_rank=_reporting_rank(dims, pipeline),
+        stage_params=stage_params, stage_flops=stage_flops,
     )
-    if schedule != "csv":
-        dump = Path(config.job.dump_folder)
-        dump.mkdir(parents=True, exist_ok=True)
-        path = dump / "pipeline_schedule.txt"
-        path.write_text(timeline(schedule, plan.pp, n_micro, plan.stages_per_rank))
-        lines.append(f"Schedule timeline (action order per rank): {path}")
-    return "\n".join(lines) + "\n"
+    if pipeline is not None and n_micro < pipeline.num_stages:
+        bubble = plan.bubble()
+        logger.warning(
+            "[parallelism] %d microbatches for %d stages: the pipeline never fills (expected bubble %s);"
+            " raise [training] local_batch_size or lower pipeline_parallel_microbatch_size",
+            n_micro, pipeline.num_stages, "unknown" if bubble is None else f"{100 * bubble:.0f}%",
+        )
+    return plan
+
+
+def _reporting_rank(dims: ParallelDims, pipeline: PipelinePlan | None) -> int:
+    if pipeline is None:
+        return 0
+    last_pp_rank = pipeline.rank_of_stage(pipeline.num_stages - 1)
+    return last_pp_rank * (dims.world_size // dims.pp)  # pp is the outermost mesh dim
+
+
+def _stage_costs(whole: nn.Module, spec: ModelSpec, pipeline: PipelinePlan | None,
+                 seq_len: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Parameters and forward FLOPs/token per stage, from the whole model's modules (no chunk is built).
+
+    A tied weight counts on both the first and the last stage: each holds a copy."""
+    def params(modules: list[nn.Module]) -> int:
+        return sum(x.numel() for m in modules for x in m.parameters())
+
+    pre = [getattr(whole, n) for n in spec.pre_layers if getattr(whole, n, None) is not None]
+    post = [getattr(whole, n) for n in spec.post_layers if getattr(whole, n, None) is not None]
+    blocks = getattr(whole, spec.layers_attr)
+    pre_f, block_f, post_f = module_costs(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers,
+                                          post=spec.post_layers, mode="flops", seq_len=seq_len)
+    if pipeline is None:
+        return (sum(x.numel() for x in whole.parameters()),), (pre_f + sum(block_f) + post_f,)
+    index = {key: i for i, key in enumerate(blocks.keys())}
+    counts, flops = [], []
+    for stage in pipeline.stages:
+        mods = [blocks[k] for k in stage.blocks] + (pre if stage.first else []) + (post if stage.last else [])
+        counts.append(params(mods))
+        flops.append(sum(block_f[index[k]] for k in stage.blocks) + (pre_f if stage.first else 0.0)
+                     + (post_f if stage.last else 0.0))
+    return tuple(counts), tuple(flops)

@@ -1,6 +1,7 @@
 """User errors in a multi-process job: every rank exits with the same one-line message, none hangs."""
 
 import re
+
 import pytest
 
 from tests.distributed.harness import REPO, torchrun

@@ -34,7 +34,7 @@ def run(dump: Path):
 def test_debug_model_matches_the_golden_file(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     result = run(tmp_path)
-    hint = f"numerics changed; if intended, re-record: python -m tests.integration.test_golden --reason '...'"
+    hint = "numerics changed; if intended, re-record: python -m tests.integration.test_golden --reason '...'"
     assert result.losses == pytest.approx(golden["losses"], rel=REL), hint
     assert result.grad_norms == pytest.approx(golden["grad_norms"], rel=REL), hint
     # The LR needs no recording: 2 warm-up steps to 8e-4, then linear decay to 0 at step 5.

@@ -4,15 +4,14 @@ import json
 
 import pytest
 import torch
+import transformers  # noqa: E402  (the [test] extra installs it: the export must load in transformers)
 
+from tests.conftest import load_plan
 from tests.distributed.harness import PARITY, run_layout
 from trainer.config import load_config
 from trainer.hf import export_hf, load_hf_
-from trainer.model_parts import build_model
 from trainer.models import get_model_spec
 from trainer.models.init import materialize_
-
-import transformers  # noqa: E402  (the [test] extra installs it: the export must load in transformers)
 
 SPEC = get_model_spec("llama3")
 MODEL = ["--model.overrides.dim", "64", "--model.overrides.n_layers", "2", "--model.overrides.n_heads", "4",
@@ -20,8 +19,7 @@ MODEL = ["--model.overrides.dim", "64", "--model.overrides.n_layers", "2", "--mo
 
 
 def our_model(args_list, seed=0):
-    config = load_config(overrides=args_list)
-    model = build_model(config, SPEC)
+    model = load_plan(args_list, 1).build_model()
     materialize_(model, torch.device("cpu"), seed)
     return model.eval()
 

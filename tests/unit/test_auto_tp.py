@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from tests.conftest import load_plan
 from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.models.llama import LlamaArgs, Transformer
-from trainer.models.llama.parallelize import build_tp_plan
+from trainer.models.llama.tp_plan import build_tp_plan
 from trainer.parallel.auto_tp import derive_tp_plan
 
 
@@ -141,9 +142,9 @@ def test_config_requires_auto_for_a_family_without_a_plan():
     gpt = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny",
            "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "32"]
     with pytest.raises(ConfigError, match='tiny_gpt has no hand-written TP plan; set .* tensor_parallel_plan = "auto"'):
-        load_config(overrides=gpt)
-    auto = load_config(overrides=gpt + ["--parallelism.tensor_parallel_plan", "auto"])
-    assert auto.parallelism.tensor_parallel_plan == "auto"
+        load_plan(gpt)
+    auto = load_plan(gpt + ["--parallelism.tensor_parallel_plan", "auto"])
+    assert auto.tp_plan.derived
 
 
 def test_overrides_replace_derived_styles():

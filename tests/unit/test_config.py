@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import load_plan
 from trainer.config import JobConfig, help_text, load_config, parse_args, to_toml
 from trainer.config.reference import reference_markdown
 from trainer.config.render import walk_sections
@@ -213,7 +214,7 @@ CLI_ERRORS = [
 @pytest.mark.parametrize("argv, words", CLI_ERRORS, ids=[" ".join(a) for a, _ in CLI_ERRORS])
 def test_cli_errors_name_the_key(argv, words):
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=argv)
+        load_plan(argv)  # what train.py and run_train.sh's pre-check do: the config, then the job plan
     message = str(info.value)
     assert "\n" not in message
     for word in words:
@@ -270,19 +271,15 @@ def test_self_extends_cycle(tmp_path):
 
 
 def test_world_size_checks_name_the_arithmetic():
-    from trainer.config import validate_config
 
-    config = load_config(
-        overrides=["--parallelism.data_parallel_shard_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
-                   "--parallelism.tensor_parallel_degree", "4"]
-    )
+    overrides = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.data_parallel_replicate_degree", "2",
+                 "--parallelism.tensor_parallel_degree", "4"]
     with pytest.raises(ConfigError, match=r"dp_replicate 2 \* dp_shard 2 \* cp 1 \* tp 4 \* pp 1 = 16 != WORLD_SIZE 8"):
-        validate_config(config, world_size=8)
+        load_plan(overrides, 8)
     with pytest.raises(ConfigError, match="does not divide WORLD_SIZE 6"):
-        validate_config(load_config(overrides=["--parallelism.tensor_parallel_degree", "4"]), world_size=6)
-    big = load_config(overrides=["--training.global_batch_size", "24"])
+        load_plan(["--parallelism.tensor_parallel_degree", "4"], 6)
     with pytest.raises(ConfigError, match="local_batch_size 8 \\* data-parallel degree 2 = 16"):
-        validate_config(big, world_size=2)
+        load_plan(["--training.global_batch_size", "24"], 2)
 
 
 # -- fuzzing: a few hundred malformed inputs, each must give a ConfigError (never a crash) ---------
@@ -305,7 +302,7 @@ JUNK = st.one_of(
 def test_fuzz_cli_never_crashes(key, value, form):
     argv = {"space": [f"--{key}", value], "equals": [f"--{key}={value}"], "bare": [f"--{key}"]}[form]
     try:
-        load_config(overrides=argv)
+        load_plan(argv)
     except ConfigError as e:
         assert str(e) and "\n" not in str(e).strip()
 

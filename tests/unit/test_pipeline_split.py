@@ -3,20 +3,18 @@
 import pytest
 import torch
 
-from trainer.config import load_config
+from tests.conftest import load_plan
+from trainer.dry_run import describe_plan
 from trainer.errors import ConfigError
-from trainer.model_parts import build_model, pipeline_plan
 from trainer.models import get_model_spec
 from trainer.parallel.pipeline_split import balanced_split, module_costs, stage_costs
 from trainer.parallel.schedule_sim import bubble_fraction, check_csv, timeline
-from trainer.plan import describe_plan
 
 LLAMA = get_model_spec("llama3")
 
 
 def plan_for(*args):
-    config = load_config(overrides=list(args))
-    return pipeline_plan(config, LLAMA, build_model(config, LLAMA))
+    return load_plan(list(args)).pipeline
 
 
 def pp(n, *args):
@@ -34,8 +32,7 @@ def imbalance(costs):
 def test_cost_balanced_split_beats_even_split_on_8b(stages, mode):
     """Llama 3 8B with its 128k vocabulary: the embedding and output projection are each worth
     more than two blocks of parameters, and the output about two and a half blocks of FLOPs."""
-    config = load_config(overrides=["--model.flavor", "8B", "--training.seq_len", "8192"])
-    model = build_model(config, LLAMA)
+    model = load_plan(["--model.flavor", "8B", "--training.seq_len", "8192"]).build_model()
     pre, blocks, post = module_costs(model, layers_attr="layers", pre=LLAMA.pre_layers, post=LLAMA.post_layers,
                                      mode=mode, seq_len=8192)
     even = [32 // stages] * stages
@@ -97,7 +94,7 @@ def test_manual_split_points():
             "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"), "needs exactly 2 stages per rank, got 3"),
         (pp(4, "--parallelism.pipeline_parallel_schedule", "DualPipeV"),
          "pipeline_parallel_degree=4: 8 stages (2 per rank) but the model has only 6 layers"),
-        (pp(2, "--parallelism.pipeline_parallel_schedule", "ZeroBubbleV"), "unknown schedule 'ZeroBubbleV'"),
+        (pp(2, "--parallelism.pipeline_parallel_schedule", "ZeroBubbleV"), "got 'ZeroBubbleV', expected one of 'GPipe'"),
         (pp(2, "--parallelism.pipeline_parallel_schedule", "1f1b_"), "did you mean '1F1B'"),
         (pp(2, "--parallelism.pipeline_parallel_microbatch_size", "3"),
          "pipeline_parallel_microbatch_size=3 must divide [training] local_batch_size=8"),
@@ -109,7 +106,7 @@ def test_manual_split_points():
 )
 def test_pipeline_config_errors(args, message):
     with pytest.raises(ConfigError) as info:
-        load_config(overrides=args)
+        load_plan(args)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
@@ -238,12 +235,12 @@ def test_csv_schedule_checks(tmp_path):
 # -- the dry run ---------------------------------------------------------------------------------
 
 def test_dry_run_plans_8b_on_64_ranks(tmp_path):
-    config = load_config("configs/llama3_8b.toml", [
+    plan = load_plan([
         "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
         "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full",
         "--job.dump_folder", str(tmp_path),
-    ])
-    text = describe_plan(config, 64)
+    ], 64, config_file="configs/llama3_8b.toml")
+    text = describe_plan(plan)
     assert "dp_shard 16 * cp 1 * tp 1 * pp 4 = 64 ranks" in text
     assert "ZBVZeroBubble, 8 stages, 2 per rank, V placement, 8 microbatches" in text
     assert "expected bubble 5.9%" in text

@@ -3,6 +3,7 @@
 import pytest
 
 import trainer.train as train_mod
+from tests.conftest import load_plan
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
@@ -17,8 +18,8 @@ def test_custom_family_trains_from_config(tiny_run_args):
 def test_custom_family_overrides_are_checked():
     assert load_config(overrides=GPT + ["--model.overrides.dim", "32"]).model.overrides == {"dim": 32}
     with pytest.raises(ConfigError, match=r"\[model.overrides\] n_kv_heads: not a field of tiny_gpt args"):
-        load_config(overrides=GPT + ["--model.overrides.n_kv_heads", "2"])
+        load_plan(GPT + ["--model.overrides.n_kv_heads", "2"])
     with pytest.raises(ConfigError, match="tiny_gpt does not support tied embeddings"):
-        load_config(overrides=GPT + ["--model.tie_embeddings"])
+        load_plan(GPT + ["--model.tie_embeddings"])
     with pytest.raises(ConfigError, match=r"\[model.overrides\] dim: got 1.5, expected a int"):
-        load_config(overrides=GPT + ["--model.overrides.dim", "1.5"])
+        load_plan(GPT + ["--model.overrides.dim", "1.5"])

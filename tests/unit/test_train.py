@@ -33,9 +33,9 @@ def test_loss_starts_near_uniform_and_decreases(tiny_args):
 
 
 def test_nan_loss_stops_with_the_step(tiny_args, monkeypatch):
-    import trainer.model_parts as parts_mod
+    import trainer.loss as loss_mod
 
-    real = parts_mod.cross_entropy_sum
+    real = loss_mod.cross_entropy_sum
     calls = {"n": 0}
 
     def poisoned(logits, labels):
@@ -43,7 +43,7 @@ def test_nan_loss_stops_with_the_step(tiny_args, monkeypatch):
         loss = real(logits, labels)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(parts_mod, "cross_entropy_sum", poisoned)
+    monkeypatch.setattr(loss_mod, "cross_entropy_sum", poisoned)
     with pytest.raises(TrainingDiverged, match="loss is nan at step 3"):
         run(tiny_args)
 

@@ -7,6 +7,7 @@ disagree about a key.
 
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -130,7 +131,9 @@ def _match_choice(spec: FieldSpec, value: str) -> str:
     for choice in spec.choices:
         if value.lower() == choice.lower():
             return choice
-    raise ConfigError(f"got {value!r}, expected {spec.accepted()}")
+    close = difflib.get_close_matches(value.lower(), [c.lower() for c in spec.choices], n=1)
+    hint = next((f"; did you mean '{c}'?" for c in spec.choices if close and c.lower() == close[0]), "")
+    raise ConfigError(f"got {value!r}, expected {spec.accepted()}{hint}")
 
 
 def check_value(spec: FieldSpec, value: Any) -> Any:

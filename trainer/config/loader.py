@@ -5,7 +5,6 @@ error can name the key, the bad value, what is accepted and where the value came
 """
 
 import difflib
-import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ class Invocation:
     config: JobConfig
     action: Action
     world_size: int | None = None
-    """--world-size N (for --dry-run), else WORLD_SIZE from the environment, if either is set."""
+    """--world-size N (for --dry-run), if given."""
 
 
 def key_name(path: tuple[str, ...]) -> str:
@@ -247,7 +246,10 @@ def load_config(config_file: str | Path | None = None, overrides: list[str] = ()
 
 
 def parse_args(argv: list[str]) -> Invocation:
-    """Parse a full command line (``train.py`` arguments) into a validated config and an action."""
+    """Parse a full command line (``train.py`` arguments) into a validated config and an action.
+
+    Only what the config alone can show is checked here; the job plan checks the rest.
+    """
     from trainer.config.validate import validate_config
 
     if "--help" in argv or "-h" in argv:  # help must work even when the rest is broken
@@ -259,8 +261,5 @@ def parse_args(argv: list[str]) -> Invocation:
     flat: Flat = read_toml(config_file) if config_file else {}
     flat.update(cli)
     config = _build(JobConfig, flat, ())
-    # Under torchrun (or run_train.sh's pre-launch check) the world size is known: check it too.
-    if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
-        world_size = int(os.environ["WORLD_SIZE"])
-    validate_config(config, world_size)
+    validate_config(config)
     return Invocation(config, action, world_size)

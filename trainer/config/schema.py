@@ -8,6 +8,8 @@ reference in ``docs/config_reference.md`` and error messages all read it from he
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+from trainer.config.schedules import ScheduleName
+
 
 @dataclass(frozen=True)
 class Range:
@@ -172,8 +174,8 @@ class Parallelism:
     """For split_mode even: the input embedding counts as this many layers on the first stage."""
     pipeline_parallel_output_weight: Annotated[float, NonNegative] = 1.0
     """For split_mode even: the final norm and output projection count as this many layers on the last stage."""
-    pipeline_parallel_schedule: str = "1F1B"
-    """Pipeline schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
+    pipeline_parallel_schedule: ScheduleName = "1F1B"
+    """Pipeline schedule (torch.distributed.pipelining); zero-bubble ones split the backward into input and weight passes."""
     pipeline_parallel_schedule_csv: str = ""
     """CSV file defining a custom pipeline schedule; overrides pipeline_parallel_schedule."""
     pipeline_parallel_microbatch_size: Annotated[int, Positive] = 1
@@ -182,6 +184,10 @@ class Parallelism:
     """Transformer layers per (virtual) stage; derives the number of stages per rank."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered FSDP parameters after forward: default = yes except for the last block."""
+
+
+# Parts of a checkpoint that [checkpoint] exclude_from_loading can name.
+CHECKPOINT_PARTS = ("model", "optimizer", "dataloader", "train_state", "rng")
 
 
 @dataclass(frozen=True, kw_only=True)

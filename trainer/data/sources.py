@@ -5,6 +5,7 @@ from pathlib import Path
 
 import datasets
 
+from trainer.config.schema import Training
 from trainer.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return kinds.pop(), [str(f) for f in files]
 
 
-def load_documents(training) -> datasets.Dataset | datasets.IterableDataset:
+def load_documents(training: Training) -> datasets.Dataset | datasets.IterableDataset:
     """The document dataset named by ``[training]`` (``dataset``, ``dataset_path``, ``dataloader``)."""
     opts = training.dataloader
     if training.dataset_path:

@@ -12,6 +12,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from trainer.config.schema import Model
 from trainer.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Tokenizer:
         return self._enc.decode(ids)
 
 
-def build_tokenizer(model_section, model_vocab_size: int) -> Tokenizer:
+def build_tokenizer(model_section: Model, model_vocab_size: int) -> Tokenizer:
     """Tokenizer for ``[model]``, cut so that its ids fit the model's embedding table."""
     limit = model_section.tokenizer_vocab_size
     max_ranks = model_vocab_size - NUM_SPECIAL

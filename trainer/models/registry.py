@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from trainer.config.schema import Model
 from trainer.errors import ConfigError
 
 
@@ -28,6 +29,13 @@ class HFAdapter:
     """(our name, HF tensor, args) -> the tensor in our layout."""
     config: Callable[[Any, Any], dict]
     """(args, dtype) -> config.json contents."""
+
+
+def _size_rotary_table(args: Any, seq_len: int) -> Any:
+    """Default ``with_seq_len``: families whose args have ``max_seq_len`` get it set to seq_len."""
+    if any(f.name == "max_seq_len" for f in dataclasses.fields(args)):
+        return dataclasses.replace(args, max_seq_len=seq_len)
+    return args
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,16 @@ class ModelSpec:
     tied_weights: dict[str, str] = field(default_factory=dict)
     """With tied embeddings: {alias: canonical} parameter names that are one weight (pipeline
     stages hold one copy each, initialised under the canonical name)."""
+    with_seq_len: Callable[[Any, int], Any] = _size_rotary_table
+    """(args, seq_len) -> the args to build for training sequences of seq_len (e.g. rotary table length)."""
+    vocab_size: Callable[[Any], int] = lambda args: args.vocab_size
+    """args -> vocabulary size (the tokenizer is cut to it)."""
+    tp_divisible: Callable[[Any], dict[str, int]] = lambda args: {}
+    """args -> {name: count} that the tensor-parallel degree must divide (e.g. attention heads)."""
+
+    def tied_aliases(self, args: Any) -> dict[str, str]:
+        """{alias: canonical} of the weights tied in a model built from ``args`` (empty when untied)."""
+        return self.tied_weights if getattr(args, "tie_embeddings", False) else {}
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -75,8 +93,6 @@ def import_model_modules(modules: list[str]) -> None:
 
 
 def get_model_spec(name: str) -> ModelSpec:
-    import trainer.models.llama  # noqa: F401  (registers the built-in family)
-
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -87,7 +103,7 @@ def get_model_spec(name: str) -> ModelSpec:
     return _REGISTRY[name]
 
 
-def resolve_model_args(spec: ModelSpec, model_section) -> Any:
+def resolve_model_args(spec: ModelSpec, model_section: Model) -> Any:
     """The flavor's args with ``[model] tie_embeddings`` and ``[model.overrides]`` applied."""
     if model_section.flavor not in spec.flavors:
         close = difflib.get_close_matches(model_section.flavor, list(spec.flavors), n=1)

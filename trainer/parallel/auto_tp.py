@@ -29,14 +29,17 @@ logger = logging.getLogger(__name__)
 
 # Autograd nodes that cut one tensor into several: a Linear behind one is a fused projection.
 _SPLITS = ("SplitBackward", "SplitWithSizesBackward", "UnbindBackward", "ChunkBackward")
-_WARNED: set = set()
 
 
 @dataclass
-class DerivedPlan:
+class TPPlan:
+    """Styles for the top-level modules and for the modules of one block (applied to every block)."""
+
     top: dict[str, ParallelStyle] = field(default_factory=dict)
     block: dict[str, ParallelStyle] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)  # block Linear -> why it is not split
+    derived: bool = True
+    """Derived automatically (else the model family's hand-written plan)."""
 
     def describe(self) -> list[str]:
         lines = [f"  {name}: {type(style).__name__}" for name, style in {**self.top, **self.block}.items()]
@@ -94,7 +97,7 @@ _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 OVERRIDE_KEY = "[parallelism.tensor_parallel_overrides]"
 
 
-def _apply_overrides(plan: DerivedPlan, overrides: dict, block: nn.Module, top_names: set[str]) -> None:
+def _apply_overrides(plan: TPPlan, overrides: dict, block: nn.Module, top_names: set[str]) -> None:
     """Replace derived styles: names are block-relative (``attention.wq``) or top-level (``output``)."""
     linears = {n for n, m in block.named_modules() if isinstance(m, nn.Linear)}
     for name, style in overrides.items():
@@ -115,10 +118,10 @@ def _apply_overrides(plan: DerivedPlan, overrides: dict, block: nn.Module, top_n
 
 
 def derive_tp_plan(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], post: tuple[str, ...],
-                   tp: int, seq_len: int, loss_parallel: bool, overrides: dict | None = None) -> DerivedPlan:
+                   tp: int, seq_len: int, loss_parallel: bool, overrides: dict | None = None) -> TPPlan:
     """A plan for ``model`` (whole, on the meta device), with ``overrides`` applied; raises ConfigError
     if a split Linear cannot be divided by ``tp``."""
-    plan = DerivedPlan()
+    plan = TPPlan()
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     for name in pre:
         mod = getattr(model, name, None)
@@ -193,7 +196,6 @@ def derive_tp_plan(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], 
                 f" not divisible by tensor_parallel_degree={tp}"
             )
     for name, why in sorted(plan.replicated.items()):
-        if (name, why) not in _WARNED and not (overrides or {}).get(name):  # derived at load time and at start
-            _WARNED.add((name, why))
+        if not (overrides or {}).get(name):
             logger.warning("automatic TP: %s.*.%s stays replicated: %s", layers_attr, name, why)
     return plan

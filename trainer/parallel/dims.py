@@ -6,6 +6,7 @@ config loader and the dry run can use this without a process group.
 
 from dataclasses import dataclass
 
+from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
 
 _KEYS = {
@@ -29,7 +30,7 @@ class ParallelDims:
     world_size: int
 
     @classmethod
-    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+    def from_config(cls, parallelism: Parallelism, world_size: int) -> "ParallelDims":
         """Resolve ``data_parallel_shard_degree = -1`` and check that the degrees fill the world.
 
         ``parallelism`` is the ``[parallelism]`` section.

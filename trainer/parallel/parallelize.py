@@ -5,10 +5,12 @@ import logging
 import torch
 from torch import nn
 
+from trainer.config.schema import ActivationCheckpoint, Parallelism
+from trainer.dtypes import torch_dtype
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec
 from trainer.parallel.ac import apply_ac
-from trainer.parallel.auto_tp import derive_tp_plan
+from trainer.parallel.auto_tp import TPPlan, derive_tp_plan
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.mesh import Meshes
@@ -16,11 +18,10 @@ from trainer.parallel.tp import apply_tp
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism, *, seq_len: int) -> tuple[dict, dict] | None:
-    """(top-level plan, per-block plan) for ``[parallelism]``, from the family or derived; None without TP.
+def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism: Parallelism, *, seq_len: int) -> TPPlan | None:
+    """The TP plan for ``[parallelism]``, from the family or derived; None without TP.
 
     ``whole`` is the complete model on the meta device (derivation runs one meta forward).
     """
@@ -29,24 +30,18 @@ def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism, *, seq_len: 
         return None
     loss_parallel = not parallelism.disable_loss_parallel
     if parallelism.tensor_parallel_plan == "auto":
-        if parallelism.enable_sequence_parallel and tp not in _WARNED_SP:
-            _WARNED_SP.add(tp)
+        if parallelism.enable_sequence_parallel:
             logger.warning("[parallelism] enable_sequence_parallel is not applied with tensor_parallel_plan = auto")
-        plan = derive_tp_plan(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,
+        return derive_tp_plan(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,
                               tp=tp, seq_len=seq_len, loss_parallel=loss_parallel,
                               overrides=parallelism.tensor_parallel_overrides)
-        return plan.top, plan.block
-    if parallelism.tensor_parallel_overrides:
-        raise ConfigError("[parallelism.tensor_parallel_overrides] apply to tensor_parallel_plan = \"auto\" only")
     if spec.build_tp_plan is None:
         raise ConfigError(
             f"[parallelism] tensor_parallel_degree={tp}: model family {spec.name} has no hand-written TP plan;"
             " set [parallelism] tensor_parallel_plan = \"auto\""
         )
-    return spec.build_tp_plan(sequence_parallel=parallelism.enable_sequence_parallel, loss_parallel=loss_parallel)
-
-
-_WARNED_SP: set = set()
+    top, block = spec.build_tp_plan(sequence_parallel=parallelism.enable_sequence_parallel, loss_parallel=loss_parallel)
+    return TPPlan(top, block, derived=False)
 
 
 def parallelize(
@@ -54,9 +49,9 @@ def parallelize(
     spec: ModelSpec,
     meshes: Meshes,
     *,
-    tp_plan: tuple[dict, dict] | None,
-    parallelism,
-    activation_checkpoint,
+    tp_plan: TPPlan | None,
+    parallelism: Parallelism,
+    activation_checkpoint: ActivationCheckpoint,
     compile_enabled: bool,
     param_dtype: torch.dtype,
     reduce_dtype: str,
@@ -70,8 +65,7 @@ def parallelize(
     # 1. TP first: it turns parameters into DTensors on the tp mesh, which everything after
     #    (checkpoint hooks, compiled graphs, FSDP's 2-D sharding) must see.
     if meshes.tp is not None:
-        top, block = tp_plan
-        apply_tp(model, meshes.tp, top_plan=top, block_plan=block, layers_attr=spec.layers_attr)
+        apply_tp(model, meshes.tp, top_plan=tp_plan.top, block_plan=tp_plan.block, layers_attr=spec.layers_attr)
     # 2. AC before compile, so the compiled region includes the recomputation boundaries.
     apply_ac(
         model, mode=activation_checkpoint.mode, option=activation_checkpoint.selective_ac_option,
@@ -83,7 +77,7 @@ def parallelize(
     # 4. FSDP/HSDP/DDP last: it wraps whatever the block has become.
     if meshes.fsdp is not None:
         apply_fsdp(
-            model, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=_DTYPES[reduce_dtype],
+            model, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=torch_dtype(reduce_dtype),
             reshard_after_forward=parallelism.fsdp_reshard_after_forward, layers_attr=spec.layers_attr,
             pre_layers=spec.pre_layers, post_layers=spec.post_layers, pipelined=pipelined,
         )

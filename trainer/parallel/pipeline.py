@@ -10,14 +10,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
-    _PipelineSchedule,
-    _PipelineScheduleRuntime,
-    get_schedule_class,
-)
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
 
+from trainer.config.schedules import SCHEDULES
 from trainer.models import ModelSpec
 from trainer.parallel.pipeline_split import PipelinePlan, Stage
 
@@ -53,8 +49,8 @@ def build_schedule(
 ) -> _PipelineSchedule:
     """PipelineStages for this rank's chunks, driven by the configured schedule.
 
-    ``scale_grads=False``: the loss function already divides by the step's token count, so
-    the schedule must not divide by the number of microbatches again.
+    ``scale_grads=False``: the step divides gradients by its global token count itself, so the
+    schedule must not divide by the number of microbatches as well.
     """
     group = pp_mesh.get_group()
     stages = [
@@ -65,8 +61,9 @@ def build_schedule(
         schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         schedule._load_csv(csv_path)
         return schedule
-    cls = get_schedule_class(plan.schedule)
-    if issubclass(cls, PipelineScheduleSingle):
+    traits = SCHEDULES[plan.schedule]
+    cls = getattr(schedules, traits.torch_class)
+    if traits.stages_per_rank == "one":
         return cls(stages[0], n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 

@@ -11,24 +11,18 @@ from typing import Literal
 
 from torch import nn
 
+from trainer.config.schedules import CSV, SCHEDULES, ScheduleTraits
+from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
 
-SINGLE_STAGE = ("GPipe", "1F1B")
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-SCHEDULES = SINGLE_STAGE + MULTI_STAGE
 KEY = "[parallelism] pipeline_parallel_"
 
 
-def canonical_schedule(name: str) -> str:
-    for known in SCHEDULES:
-        if known.lower() == name.lower():
-            return known
-    import difflib
-
-    close = difflib.get_close_matches(name.lower(), [s.lower() for s in SCHEDULES], n=1)
-    hint = next((f"; did you mean '{s}'?" for s in SCHEDULES if close and s.lower() == close[0]), "")
-    raise ConfigError(f"{KEY}schedule: unknown schedule {name!r}{hint} (schedules: {', '.join(SCHEDULES)})")
+def schedule_traits(parallelism: Parallelism) -> tuple[str, ScheduleTraits]:
+    """(schedule name or "csv", its traits) for the ``[parallelism]`` section."""
+    if parallelism.pipeline_parallel_schedule_csv:
+        return "csv", CSV
+    return parallelism.pipeline_parallel_schedule, SCHEDULES[parallelism.pipeline_parallel_schedule]
 
 
 @dataclass(frozen=True)
@@ -131,7 +125,7 @@ def stage_costs(pre: float, blocks: list[float], post: float, counts: list[int])
     return out
 
 
-def num_stages_for(parallelism, schedule: str, n_layers: int) -> int:
+def num_stages_for(parallelism: Parallelism, traits: ScheduleTraits, n_layers: int) -> int:
     """Total stages: from split points, from layers per stage, or 1 / 2 per rank by schedule type."""
     pp = parallelism.pipeline_parallel_degree
     if parallelism.pipeline_parallel_split_points:
@@ -141,15 +135,14 @@ def num_stages_for(parallelism, schedule: str, n_layers: int) -> int:
         # rank holds as many stages; the split then balances layers over them.
         stages = math.ceil(n_layers / parallelism.pipeline_parallel_layers_per_stage)
         return math.ceil(stages / pp) * pp
-    return pp if schedule in SINGLE_STAGE else 2 * pp
+    return pp if traits.stages_per_rank == "one" else 2 * pp
 
 
-def build_pipeline_plan(parallelism, model: nn.Module, *, layers_attr: str, pre: tuple[str, ...],
+def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_attr: str, pre: tuple[str, ...],
                         post: tuple[str, ...], seq_len: int) -> PipelinePlan:
     """Validate the pipeline keys against the model and decide every stage's blocks."""
     pp = parallelism.pipeline_parallel_degree
-    csv = bool(parallelism.pipeline_parallel_schedule_csv)
-    schedule = "csv" if csv else canonical_schedule(parallelism.pipeline_parallel_schedule)
+    schedule, traits = schedule_traits(parallelism)
     block_keys = list(getattr(model, layers_attr).keys())
     n_layers = len(block_keys)
     points = parallelism.pipeline_parallel_split_points
@@ -164,7 +157,7 @@ def build_pipeline_plan(parallelism, model: nn.Module, *, layers_attr: str, pre:
         positions = [index[n] for n in points]
         if positions != sorted(set(positions)):
             raise ConfigError(f"{KEY}split_points: {points} must be distinct and in model order")
-    num_stages = num_stages_for(parallelism, "Interleaved1F1B" if csv else schedule, n_layers)
+    num_stages = num_stages_for(parallelism, traits, n_layers)
     source = "split points" if parallelism.pipeline_parallel_split_points else "stages"
     if num_stages % pp:
         raise ConfigError(
@@ -172,17 +165,17 @@ def build_pipeline_plan(parallelism, model: nn.Module, *, layers_attr: str, pre:
             f"each rank holds the same number of stages"
         )
     per_rank = num_stages // pp
-    if schedule in SINGLE_STAGE and per_rank != 1:
+    if traits.stages_per_rank == "one" and per_rank != 1:
         raise ConfigError(
             f"{KEY}schedule={schedule} runs one stage per rank, but there are {num_stages} stages for"
             f" {pp} ranks; use a multi-stage schedule (e.g. Interleaved1F1B) or {pp - 1} split points"
         )
-    if schedule in MULTI_STAGE and per_rank < 2:
+    if traits.stages_per_rank != "one" and per_rank < 2 and schedule != "csv":
         raise ConfigError(
             f"{KEY}schedule={schedule} needs at least 2 stages per rank, got {num_stages} stages for {pp} ranks;"
             f" give {2 * pp - 1} split points or set pipeline_parallel_layers_per_stage"
         )
-    if schedule in V_SCHEDULES and per_rank != 2:
+    if traits.stages_per_rank == "two" and per_rank != 2:
         raise ConfigError(f"{KEY}schedule={schedule} needs exactly 2 stages per rank, got {per_rank}")
     if num_stages > n_layers:
         raise ConfigError(
@@ -205,5 +198,4 @@ def build_pipeline_plan(parallelism, model: nn.Module, *, layers_attr: str, pre:
     for s, c in enumerate(counts):
         stages.append(Stage(s, tuple(block_keys[start:start + c]), s == 0, s == num_stages - 1))
         start += c
-    style = "v" if schedule in V_SCHEDULES else "loop"
-    return PipelinePlan(tuple(stages), pp, schedule, style)
+    return PipelinePlan(tuple(stages), pp, schedule, traits.placement)

@@ -1,9 +1,9 @@
 """The built-in Llama 3 family, registered as ``[model] name = "llama3"``."""
 
+from trainer.models.llama import hf
 from trainer.models.llama.args import FLAVORS, LlamaArgs
 from trainer.models.llama.model import TIED_WEIGHTS, Transformer, llama_flops_per_token
-from trainer.models.llama.parallelize import build_tp_plan
-from trainer.models.llama import hf
+from trainer.models.llama.tp_plan import build_tp_plan
 from trainer.models.registry import HFAdapter, ModelSpec, register_model
 
 register_model(
@@ -14,6 +14,7 @@ register_model(
         flops_per_token=llama_flops_per_token,
         build_tp_plan=build_tp_plan,
         tied_weights=TIED_WEIGHTS,
+        tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads},
         hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config),
     )
 )

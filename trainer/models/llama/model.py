@@ -14,7 +14,6 @@ from torch import nn
 from trainer.models.init import InitFn, constant_, init_param_, normal_
 from trainer.models.llama.args import LlamaArgs
 
-
 # With tie_embeddings, the output projection is the embedding matrix. A pipeline stage that
 # holds only the output projection initialises it under the embedding's name, so both copies
 # start equal.

@@ -1,0 +1,82 @@
+"""The package's layering, as an executable rule (docs/architecture.md).
+
+- ``trainer.config`` is a leaf: it imports nothing from the rest of ``trainer`` except the
+  exception classes of ``trainer.errors`` (which import nothing).
+- No import cycles between modules (imports inside functions included).
+- Planning a job builds the model on the meta device once, and a rank builds it once per chunk.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "trainer"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the trainer modules it imports (anywhere in the file)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # "from trainer.x import y": y may be a submodule or a name in trainer.x
+                targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                            for a in node.names}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def test_config_is_a_leaf():
+    graph = import_graph()
+    leaks = {(m, t) for m, ts in graph.items() if m.startswith("trainer.config") for t in ts
+             if not t.startswith("trainer.config") and t != "trainer.errors"}
+    assert leaks == set()
+    assert graph["trainer.errors"] == set()
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert cycles == []
+
+
+def test_the_rule_sees_a_violation(tmp_path, monkeypatch):
+    """The checker itself: an import of the model registry from config/ is reported."""
+    import tests.unit.test_architecture as arch
+
+    fake = tmp_path / "trainer"
+    (fake / "config").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "errors.py").write_text("")
+    (fake / "models.py").write_text("import trainer.config.schema\n")
+    (fake / "config" / "__init__.py").write_text("")
+    (fake / "config" / "schema.py").write_text("def f():\n    from trainer.models import x\n")
+    monkeypatch.setattr(arch, "PACKAGE", fake)
+    with pytest.raises(AssertionError):
+        test_config_is_a_leaf()
+    with pytest.raises(AssertionError):
+        test_no_import_cycles()

@@ -1,0 +1,91 @@
+"""The dry run: the job plan as text, before any device is spent. No process group needed.
+
+``python train.py --job.config_file configs/llama3_8b.toml --dry-run --world-size 64``
+"""
+
+from pathlib import Path
+
+from trainer.parallel.mesh import DIM_NAMES
+from trainer.parallel.schedule_sim import timeline
+from trainer.plan import JobPlan
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*["-" * w for w in widths])] + [fmt.format(*r) for r in rows]
+
+
+def _stage_modules(plan: JobPlan, stage) -> str:
+    spec = plan.spec
+    names = list(spec.pre_layers) if stage.first else []
+    keys = stage.blocks
+    names.append(f"{spec.layers_attr}.{keys[0]}" + (f"-{keys[-1]}" if len(keys) > 1 else ""))
+    names += list(spec.post_layers) if stage.last else []
+    return ", ".join(names)
+
+
+def describe_plan(plan: JobPlan) -> str:
+    """The plan as text; also writes the schedule timeline into the dump folder when pipelined."""
+    config, dims, spec = plan.config, plan.dims, plan.spec
+    t, p = config.training, config.parallelism
+    shard = dims.dp_shard * dims.tp  # ways each parameter is split in memory
+    lines = [
+        f"Plan: {config.job.description}",
+        f"Model: {config.model.name} {config.model.flavor}, {plan.num_params / 1e6:,.2f}M parameters,"
+        f" {plan.flops_per_token / 1e9:.2f} GFLOP/token (training), seq_len {t.seq_len}",
+        f"World: {dims.describe()}",
+        "Mesh: (" + ", ".join(f"{n}={getattr(dims, n)}" for n in DIM_NAMES) + ")",
+        f"Batch: global {plan.global_batch_size} sequences = local {t.local_batch_size}"
+        f" x data-parallel {dims.dp} x accumulation {plan.accum_steps}",
+        f"Metrics reported by rank {plan.reporting_rank}",
+    ]
+    if plan.tp_plan is not None:
+        source = "derived automatically" if plan.tp_plan.derived else f"{spec.name}'s own"
+        lines.append(f"Tensor parallel plan ({source}; block modules apply to every {spec.layers_attr}.N):")
+        lines += plan.tp_plan.describe()
+    pipeline = plan.pipeline
+    if pipeline is None:
+        lines.append(
+            f"No pipeline: every rank runs the whole model; {plan.num_params / 1e6:,.2f}M parameters,"
+            f" ~{plan.state_gib_per_device(0):.1f} GiB per device for parameters, gradients and"
+            f" Adam state (split {shard} ways by FSDP x TP; activations not included)"
+        )
+        return "\n".join(lines) + "\n"
+
+    bubble = plan.bubble()
+    if bubble is None:
+        bubble_text = f"from {p.pipeline_parallel_schedule_csv} (not simulated)"
+    else:
+        bubble_text = f"expected bubble {100 * bubble:.1f}% (compute F=1, B=2, I=W=1; communication not modelled)"
+    lines += [
+        f"Pipeline: {pipeline.schedule}, {pipeline.num_stages} stages, {pipeline.stages_per_rank} per rank,"
+        f" {'V' if pipeline.style == 'v' else 'loop'} placement, {plan.n_microbatches} microbatches of"
+        f" {p.pipeline_parallel_microbatch_size} per step; {bubble_text}",
+        f"Split points: {pipeline.split_points(spec.layers_attr)}",
+        "",
+    ]
+    rows = [
+        [str(stage.index), str(pipeline.rank_of_stage(stage.index)), _stage_modules(plan, stage),
+         f"{plan.stage_params[stage.index] / 1e6:,.1f}M", f"{plan.stage_flops[stage.index] / 1e9:.2f}"]
+        for stage in pipeline.stages
+    ]
+    lines += _table(["stage", "pp rank", "modules", "parameters", "fwd GFLOP/token"], rows)
+    lines.append("")
+    mem_rows = [
+        [str(r), ", ".join(str(s) for s in pipeline.stage_ids(r)), f"{plan.rank_params(r) / 1e6:,.1f}M",
+         f"{plan.state_gib_per_device(r):.2f}"]
+        for r in range(pipeline.pp)
+    ]
+    lines += _table(["pp rank", "stages", "parameters", "GiB per device"], mem_rows)
+    lines.append(
+        f"(GiB per device: fp32 parameters, gradients and Adam state, split {shard} ways by FSDP x TP;"
+        " activations not included)"
+    )
+    if bubble is not None:
+        dump = Path(config.job.dump_folder)
+        dump.mkdir(parents=True, exist_ok=True)
+        path = dump / "pipeline_schedule.txt"
+        path.write_text(timeline(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank))
+        lines.append(f"Schedule timeline (action order per rank): {path}")
+    return "\n".join(lines) + "\n"
