@@ -29,7 +29,7 @@ def describe_plan(plan: JobPlan) -> str:
     """The plan as text; also writes the schedule timeline into the dump folder when pipelined."""
     config, dims, spec = plan.config, plan.dims, plan.spec
     t, p = config.training, config.parallelism
-    shard = dims.dp_shard * dims.tp  # ways each parameter is split in memory
+    shard = plan.param_split  # ways each parameter is split in memory
     lines = [
         f"Plan: {config.job.description}",
         f"Model: {config.model.name} {config.model.flavor}, {plan.num_params / 1e6:,.2f}M parameters,"
@@ -40,6 +40,13 @@ def describe_plan(plan: JobPlan) -> str:
         f" x data-parallel {dims.dp} x accumulation {plan.accum_steps}",
         f"Metrics reported by rank {plan.reporting_rank}",
     ]
+    if dims.cp > 1:
+        lines.append(
+            f"Context parallel: each {t.seq_len}-token sequence split over {dims.cp} ranks (chunks i and"
+            f" {2 * dims.cp - 1}-i of {2 * dims.cp}), {plan.tokens_per_rank} tokens per rank: activation memory"
+            f" per rank / {dims.cp}; attention all-gathers keys and values (kv heads only) over the cp group;"
+            f" FSDP shards over dp_shard x cp = {dims.dp_shard * dims.cp} ranks"
+        )
     if plan.tp_plan is not None:
         source = "derived automatically" if plan.tp_plan.derived else f"{spec.name}'s own"
         lines.append(f"Tensor parallel plan ({source}; block modules apply to every {spec.layers_attr}.N):")
@@ -49,7 +56,7 @@ def describe_plan(plan: JobPlan) -> str:
         lines.append(
             f"No pipeline: every rank runs the whole model; {plan.num_params / 1e6:,.2f}M parameters,"
             f" ~{plan.state_gib_per_device(0):.1f} GiB per device for parameters, gradients and"
-            f" Adam state (split {shard} ways by FSDP x TP; activations not included)"
+            f" Adam state (split {shard} ways by FSDP x CP x TP; activations not included)"
         )
         return "\n".join(lines) + "\n"
 
@@ -79,7 +86,7 @@ def describe_plan(plan: JobPlan) -> str:
     ]
     lines += _table(["pp rank", "stages", "parameters", "GiB per device"], mem_rows)
     lines.append(
-        f"(GiB per device: fp32 parameters, gradients and Adam state, split {shard} ways by FSDP x TP;"
+        f"(GiB per device: fp32 parameters, gradients and Adam state, split {shard} ways by FSDP x CP x TP;"
         " activations not included)"
     )
     if bubble is not None:

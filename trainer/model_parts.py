@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer import loss as loss_mod
 from trainer.models.init import materialize_
+from trainer.parallel.cp import ContextParallel, apply_cp
 from trainer.parallel.mesh import Meshes
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.pipeline import build_chunk, build_schedule
@@ -40,6 +41,8 @@ class ModelParts:
     """Pair of pipeline ranks holding the two copies of a tied weight (None: same rank or untied)."""
     tied: list[nn.Parameter] = field(default_factory=list)
     """This rank's copies of the tied weight (0, 1 or 2 of them) whose gradients are summed."""
+    cp: ContextParallel | None = None
+    """This rank's share of each sequence under context parallelism."""
 
     @property
     def has_first(self) -> bool:
@@ -94,6 +97,9 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
         logger.info("pipeline: %s, stages %s on this rank, split points %s",
                     pipeline.schedule, stage_ids, pipeline.split_points(spec.layers_attr))
     parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids)
+    if meshes.cp is not None:
+        parts.cp = ContextParallel(meshes.cp.get_group(), plan.dims.cp, meshes.world.get_local_rank("cp"),
+                                   config.training.seq_len)
     for chunk in chunks:
         parallelize(
             chunk, spec, meshes,
@@ -106,6 +112,8 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
             pipelined=pipeline is not None,
         )
         materialize_(chunk, device, config.debug.seed)
+        if parts.cp is not None:  # after materialising: init recomputes the rotary table
+            apply_cp(chunk, parts.cp.positions, spec.cp_buffers)
         chunk.train()
     if pipeline is not None and plan.tied_aliases:
         # Across stages a tied weight is two parameters with equal initial values (init is keyed

@@ -85,9 +85,19 @@ class JobPlan:
             return self.num_params
         return sum(self.stage_params[s] for s in self.pipeline.stage_ids(pp_rank))
 
+    @property
+    def param_split(self) -> int:
+        """Ways each parameter is split in memory: FSDP over dp_shard x cp, times TP."""
+        return self.dims.dp_shard * self.dims.cp * self.dims.tp
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens of each sequence a rank holds (the whole sequence unless context parallel)."""
+        return self.config.training.seq_len // self.dims.cp
+
     def state_gib_per_device(self, pp_rank: int) -> float:
         """fp32 parameters, gradients and Adam moments per device, split by FSDP x TP (no activations)."""
-        return self.rank_params(pp_rank) * BYTES_PER_PARAM / (self.dims.dp_shard * self.dims.tp) / 2**30
+        return self.rank_params(pp_rank) * BYTES_PER_PARAM / self.param_split / 2**30
 
     def bubble(self) -> float | None:
         """Expected idle fraction of the pipeline ranks (None: no pipeline, or a CSV schedule)."""
@@ -112,6 +122,11 @@ def build_job_plan(config: JobConfig, world_size: int) -> JobPlan:
                     f"[parallelism] tensor_parallel_degree={dims.tp} must divide model {name}={count}"
                     f" ({config.model.name} {config.model.flavor})"
                 )
+    if dims.cp > 1 and not spec.cp_buffers:
+        raise ConfigError(
+            f"[parallelism] context_parallel_degree={dims.cp}: model family {spec.name} does not declare"
+            " its position-indexed buffers (ModelSpec.cp_buffers), so it cannot be split along the sequence"
+        )
     with torch.device("meta"):
         whole = spec.model_cls(args)  # the plan's one model build: sizes, costs, split, TP plan
     num_params = sum(x.numel() for x in whole.parameters())

@@ -71,17 +71,18 @@ class Trainer:
     metrics: MetricsLogger
     checkpointer: Checkpointer
     autocast: Callable[[], contextlib.AbstractContextManager]
-    loss_context: Callable[[], contextlib.AbstractContextManager]
+    step_context: Callable[[], contextlib.AbstractContextManager]
+    """Entered around each microbatch's forward and backward: loss parallelism, context-parallel attention."""
 
 
 def train_step(
-    parts: ModelParts, optimizers: ChunkOptimizers, microbatches, *, max_norm: float, autocast, loss_context,
+    parts: ModelParts, optimizers: ChunkOptimizers, microbatches, *, max_norm: float, autocast, step_context,
     meshes: Meshes, on_grads: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm)."""
     summed: list[torch.Tensor] = []  # per-microbatch summed cross-entropy (last pipeline stage only)
     for inputs, labels in microbatches:
-        with loss_context():
+        with step_context():
             if parts.schedule is None:
                 with autocast():
                     logits = parts.chunks[0](inputs)
@@ -92,13 +93,13 @@ def train_step(
                 summed += run_schedule(parts.schedule, inputs, labels, has_first=parts.has_first,
                                        has_last=parts.has_last)
     # Token-mean over the global batch: the gradients hold the summed loss of every microbatch;
-    # FSDP/DDP averaged them over the dp ranks. Dividing by the label tokens of the whole step on
-    # all dp ranks (times dp, undoing the average) gives the gradient of one big batch's mean.
+    # FSDP/DDP averaged them over the dp and cp ranks. Dividing by the label tokens of the whole
+    # step on all of them (times their number, undoing the average) gives one big batch's mean.
     num_tokens = count_label_tokens(microbatches).float()
-    all_reduce_sum(num_tokens, meshes.dp_groups())
+    all_reduce_sum(num_tokens, meshes.batch_groups())
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
              for p in parts.chunks.parameters() if p.grad is not None]
-    torch._foreach_mul_(grads, (meshes.dims.dp / num_tokens).to(grads[0].device))
+    torch._foreach_mul_(grads, (meshes.dims.grad_average / num_tokens).to(grads[0].device))
     parts.sync_tied_grads()
     if on_grads is not None:
         on_grads()
@@ -108,12 +109,12 @@ def train_step(
     optimizers.step()
     optimizers.zero_grad()
     # This rank's share of the global mean; only ranks holding the last stage have one, so
-    # summing over dp and pp gives every rank the global loss.
+    # summing over dp, cp and pp gives every rank the global loss.
     total = torch.zeros((), device=num_tokens.device)
     for loss in summed:
         total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     total /= num_tokens
-    all_reduce_sum(total, meshes.dp_groups() + ([pp_group] if pp_group is not None else []))
+    all_reduce_sum(total, meshes.batch_groups() + ([pp_group] if pp_group is not None else []))
     return total, grad_norm
 
 
@@ -163,6 +164,15 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
     else:
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
     tp_loss = meshes.tp is not None and not config.parallelism.disable_loss_parallel
+
+    def step_context() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if tp_loss:
+            stack.enter_context(loss_parallel())
+        if parts.cp is not None:
+            stack.enter_context(parts.cp.attention())
+        return stack
+
     config_toml = to_toml(config)
     if reporting:
         dump = Path(config.job.dump_folder)
@@ -178,8 +188,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         loader=loader, spec=plan.spec, model_args=plan.model_args, pp_rank=pp_rank, pp=dims.pp,
         hf_writer=not dist.is_initialized() or dist.get_rank() % (dims.world_size // dims.pp) == 0,
     )
-    return Trainer(plan, meshes, device, parts, optimizers, loader, metrics, checkpointer, autocast,
-                   loss_parallel if tp_loss else contextlib.nullcontext)
+    return Trainer(plan, meshes, device, parts, optimizers, loader, metrics, checkpointer, autocast, step_context)
 
 
 def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResult:
@@ -196,9 +205,11 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             lr = run.optimizers.lr
             start = time.perf_counter()
             microbatches = [(x.to(run.device), y.to(run.device)) for x, y in run.loader.next_step()]
+            if run.parts.cp is not None:  # this rank's part of each sequence
+                microbatches = [(run.parts.cp.shard(x), run.parts.cp.shard(y)) for x, y in microbatches]
             loss, grad_norm = train_step(
                 run.parts, run.optimizers, microbatches, max_norm=config.training.max_norm, autocast=run.autocast,
-                loss_context=run.loss_context, meshes=run.meshes,
+                step_context=run.step_context, meshes=run.meshes,
                 on_grads=None if observer is None else (lambda: observer.on_grads(step, run.parts)),  # noqa: B023
             )
             run.optimizers.lr_step()
@@ -213,7 +224,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             result.losses.append(loss_value)
             result.grad_norms.append(norm_value)
             result.lrs.append(lr)
-            tokens = sum(x.numel() for x, _ in microbatches)
+            tokens = sum(x.numel() for x, _ in microbatches) * run.plan.dims.cp  # the replica's tokens
             run.metrics.log(StepStats(step, loss_value, norm_value, lr), tokens)
             run.checkpointer.maybe_save(step, last=step == last_step, final=step == config.training.steps)
         run.checkpointer.wait()

@@ -31,12 +31,13 @@ PARITY = [
 ]
 
 
-def torchrun(nproc: int, args: list[str], tmp_path: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], tmp_path: Path, timeout: int = 300,
+             env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}",
         *args,
     ]
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
 def failure_report(proc: subprocess.CompletedProcess, tmp_path: Path) -> str:
@@ -49,11 +50,12 @@ def failure_report(proc: subprocess.CompletedProcess, tmp_path: Path) -> str:
     return f"exit {proc.returncode}; full output in {log}\n{head}\n...\n{proc.stderr[-1500:]}"
 
 
-def run_layout(nproc: int, overrides: list[str], tmp_path: Path, base: list[str] = PARITY) -> dict:
-    """Per-step results (losses, grad norms, every tensor) of a ``nproc``-rank run of ``base`` (default: the tiny Llama) plus ``overrides``."""
+def run_layout(nproc: int, overrides: list[str], tmp_path: Path, base: list[str] = PARITY, fault: str = "") -> dict:
+    """Per-step results (losses, grad norms, every tensor) of a ``nproc``-rank run of ``base`` (default: the
+    tiny Llama) plus ``overrides``; ``fault`` names a deliberate defect of tests/distributed/worker.py."""
     out = tmp_path / f"result_{nproc}_{abs(hash(tuple(overrides)))}.json"
     args = [str(WORKER), str(out), *base, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
-    proc = torchrun(nproc, args, tmp_path)
+    proc = torchrun(nproc, args, tmp_path, env={"PARITY_FAULT": fault} if fault else None)
     assert proc.returncode == 0, failure_report(proc, tmp_path)
     result = json.loads(out.read_text())
     # Every rank's gradients and parameters (tests/parity.py), copies side by side.

@@ -57,6 +57,9 @@ CASES = {
                                      P + "tensor_parallel_degree", "2", "--training.local_batch_size", "4")),
     "pp2xFSDP2-tied": (4, LAYERS4, pp(2, "1F1B", TIED, P + "data_parallel_shard_degree", "2",
                                       "--training.local_batch_size", "4")),
+    # context parallelism inside every stage
+    "pp2xCP2-1F1B": (4, LAYERS4, pp(2, "1F1B", P + "context_parallel_degree", "2", *B8)),
+    "pp2xCP2-ZBV": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8)),
 }
 
 

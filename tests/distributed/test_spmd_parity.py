@@ -9,11 +9,12 @@ summation order in the reductions. The worst tensor of each case is printed at t
 import pytest
 
 from tests.distributed.harness import PARITY, run_layout
-from tests.parity import assert_parity, record
+from tests.parity import assert_parity, compare, record
 from trainer.config import load_config
 
 P = "--parallelism."
 TIED = "--model.tie_embeddings"
+CP = P + "context_parallel_degree"
 
 # (ranks, overrides); local batch sizes keep the global batch at 8 sequences.
 LAYOUTS = {
@@ -39,6 +40,12 @@ LAYOUTS = {
     "FSDP2+tied": (2, [TIED, P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     "FSDP2xTP2+tied": (4, [TIED, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
                            "--training.local_batch_size", "4"]),
+    # Context parallelism: each 32-token sequence split over the cp ranks (load-balanced chunks).
+    "CP2": (2, [CP, "2", "--training.local_batch_size", "8"]),
+    "CP4": (4, [CP, "4", "--training.local_batch_size", "8"]),
+    "CP2xFSDP2": (4, [CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+    "CP2xTP2+SP+LP": (4, [CP, "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "CP2+accum2": (2, [CP, "2", "--training.local_batch_size", "4"]),
 }
 
 
@@ -68,3 +75,13 @@ def test_layout_matches_single_process(name, references, tmp_path):
     assert_parity(name, result, reference, tensors)
     assert len(result["losses"]) == 3
     assert result["losses"][-1] < result["losses"][0]  # it trained, and the reference did the same
+
+
+@pytest.mark.slow
+def test_a_position_offset_on_one_context_parallel_rank_is_caught(references, tmp_path):
+    """Rank 1 of CP2 rotates its tokens as if they sat one position earlier (an off-by-one chunk
+    offset; the attention mask stays right): the per-tensor comparison must fail."""
+    reference, tensors = references(False)
+    result = run_layout(2, LAYOUTS["CP2"][1], tmp_path, fault="cp_rope_offset")
+    cmp = compare(result["tensors"], tensors)
+    assert not cmp.ok and any("attention.wq.weight" in f for f in cmp.failures)

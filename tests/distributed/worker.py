@@ -18,7 +18,26 @@ from tests.parity import Recorder, tied_aliases  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.train import main  # noqa: E402
 
+
+
+def inject_fault(name: str) -> None:
+    """Deliberate defects that the parity instrument must catch (tests of the tests)."""
+    if name == "cp_rope_offset":
+        import trainer.model_parts as model_parts
+
+        real = model_parts.apply_cp
+
+        def off_by_one(model, positions, buffers):
+            # every cp rank but the first rotates its tokens one position early
+            real(model, positions - 1 if int(positions[0]) > 0 else positions, buffers)
+
+        model_parts.apply_cp = off_by_one
+    elif name:
+        raise ValueError(f"unknown PARITY_FAULT {name!r}")
+
+
 if __name__ == "__main__":
+    inject_fault(os.environ.get("PARITY_FAULT", ""))
     out, overrides = sys.argv[1], sys.argv[2:]
     config = load_config(overrides=overrides)
     recorder = Recorder(tied_aliases(config))

@@ -22,7 +22,6 @@ def dims(world: int, **degrees) -> ParallelDims:
 
 
 def _raw(args):
-    # cp > 1 is rejected by validation until it lands; ParallelDims' arithmetic is still tested.
     from trainer.config.loader import _build, parse_cli
     from trainer.config.schema import JobConfig
 
@@ -33,9 +32,9 @@ def _raw(args):
 def test_shard_degree_takes_the_rest():
     d = dims(8, tp=2)
     assert (d.dp_replicate, d.dp_shard, d.tp, d.dp) == (1, 4, 2, 4)
-    assert d.fsdp_enabled and not d.hsdp_enabled and not d.ddp_enabled
-    assert dims(8, rep=2, shard=2, tp=2).hsdp_enabled
-    assert dims(4, rep=4, shard=1).ddp_enabled
+    assert d.grad_average == 4
+    assert dims(8, rep=2, shard=2, tp=2).grad_average == 4
+    assert dims(8, shard=2, cp=2, tp=2).grad_average == 4  # cp ranks' gradients are averaged too
     assert dims(8, pp=2, tp=2).dp_shard == 2
 
 
@@ -58,7 +57,7 @@ def test_degree_errors_show_the_arithmetic(world, degrees, message):
 def test_single_process_has_no_meshes():
     meshes = build_meshes(dims(1), "cpu")
     assert meshes.world is None and meshes.tp is None and meshes.fsdp is None and meshes.dp_rank == 0
-    assert meshes.dp_groups() == []
+    assert meshes.batch_groups() == []
 
 
 @pytest.fixture
@@ -82,7 +81,7 @@ def test_mesh_names_and_sizes_at_world_8(fake_world):
     assert meshes.pp is None
     # tp innermost: rank 5 = (rep 1, shard 0, tp 1); its TP peer is rank 4, its batch index 2.
     assert meshes.tp.mesh.tolist() == [4, 5]
-    assert meshes.dp_rank == 2 and len(meshes.dp_groups()) == 2
+    assert meshes.dp_rank == 2 and len(meshes.batch_groups()) == 2
 
 
 def test_fsdp_mesh_per_layout(fake_world):
@@ -91,3 +90,14 @@ def test_fsdp_mesh_per_layout(fake_world):
     ddp = build_meshes(dims(8, rep=4, shard=1, tp=2), "cpu")
     assert ddp.fsdp.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(ddp.fsdp.shape) == (4, 1)
     assert build_meshes(dims(8, shard=1, tp=8), "cpu").fsdp is None
+
+
+def test_context_parallel_ranks_join_the_shard_dimension(fake_world):
+    fake_world(rank=5, world=8)
+    meshes = build_meshes(dims(8, shard=2, cp=2, tp=2), "cpu")
+    # rank 5 = 4 * shard 1 + 2 * cp 0 + tp 1: its cp peer is rank 7; FSDP shards over dp_shard x cp = 4 ranks
+    assert meshes.cp.mesh.tolist() == [5, 7]
+    assert meshes.fsdp.mesh_dim_names == ("dp_shard_cp",) and meshes.fsdp.size() == 4
+    assert meshes.dp_rank == 1 and len(meshes.batch_groups()) == 2
+    hsdp = build_meshes(dims(8, rep=2, shard=2, cp=2), "cpu")
+    assert hsdp.fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(hsdp.fsdp.shape) == (2, 4)

@@ -41,17 +41,20 @@ def _check_lr_schedule(config: JobConfig) -> None:
 
 def _check_parallelism(config: JobConfig) -> None:
     p, t = config.parallelism, config.training
-    if p.tensor_parallel_degree > 1 and p.enable_sequence_parallel and t.seq_len % p.tensor_parallel_degree:
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    if cp > 1 and t.seq_len % (2 * cp):
         raise ConfigError(
-            f"[training] seq_len={t.seq_len} must be divisible by [parallelism] tensor_parallel_degree="
-            f"{p.tensor_parallel_degree} for sequence parallelism (or set enable_sequence_parallel = false)"
+            f"[training] seq_len={t.seq_len} must be divisible by 2 * [parallelism] context_parallel_degree={cp}"
+            f" (each sequence is cut into {2 * cp} equal chunks, two per context-parallel rank)"
+        )
+    if tp > 1 and p.enable_sequence_parallel and (t.seq_len // cp) % tp:
+        per_rank = f" / context_parallel_degree {cp} = {t.seq_len // cp} tokens per rank," if cp > 1 else ""
+        raise ConfigError(
+            f"[training] seq_len={t.seq_len}{per_rank} must be divisible by [parallelism] tensor_parallel_degree="
+            f"{tp} for sequence parallelism (or set enable_sequence_parallel = false)"
         )
     if p.tensor_parallel_overrides and p.tensor_parallel_plan != "auto":
         raise ConfigError("[parallelism.tensor_parallel_overrides] apply to tensor_parallel_plan = \"auto\" only")
-    if p.context_parallel_degree > 1:
-        # Keys exist in the schema (so configs written for later versions parse), but the feature
-        # has not landed: rejected, never silently ignored.
-        raise ConfigError("[parallelism] context_parallel_degree > 1: not supported by this version of the trainer yet")
     if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
         raise ConfigError(
             f"[parallelism] pipeline_parallel_microbatch_size={p.pipeline_parallel_microbatch_size} must divide"

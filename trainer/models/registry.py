@@ -68,6 +68,9 @@ class ModelSpec:
     """args -> vocabulary size (the tokenizer is cut to it)."""
     tp_divisible: Callable[[Any], dict[str, int]] = lambda args: {}
     """args -> {name: count} that the tensor-parallel degree must divide (e.g. attention heads)."""
+    cp_buffers: tuple[str, ...] = ()
+    """Buffers indexed by sequence position (e.g. the rotary table). A family supports context
+    parallelism when it names them and its attention is a causal F.scaled_dot_product_attention."""
 
     def tied_aliases(self, args: Any) -> dict[str, str]:
         """{alias: canonical} of the weights tied in a model built from ``args`` (empty when untied)."""

@@ -62,17 +62,9 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
-
-    @property
-    def ddp_enabled(self) -> bool:
-        """Pure replication (DDP): replicas but no sharding."""
-        return self.dp_replicate > 1 and self.dp_shard == 1
-
-    @property
-    def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and self.dp_shard > 1
+    def grad_average(self) -> int:
+        """Ranks whose gradients FSDP/DDP average (data-parallel and context-parallel ranks)."""
+        return self.dp * self.cp
 
     def describe(self) -> str:
         return " * ".join(f"{name} {getattr(self, name)}" for name in _KEYS) + f" = {self.world_size} ranks"

@@ -66,26 +66,37 @@ class Meshes:
         return self._sub("dp_replicate", "dp_shard")
 
     @property
+    def cp(self) -> DeviceMesh | None:
+        return self._sub("cp")
+
+    @property
     def fsdp(self) -> DeviceMesh | None:
-        """Mesh handed to fully_shard: 1-D (shard) for FSDP, 2-D (replicate, shard) for HSDP and DDP."""
-        if self.world is None or self.dims.dp == 1:
+        """Mesh handed to fully_shard: 1-D (shard) for FSDP, 2-D (replicate, shard) for HSDP and DDP.
+
+        Context-parallel ranks are folded into the shard dimension ("dp_shard_cp"): they hold the
+        same parameters and their gradients (each from its part of the sequences) must be summed,
+        which FSDP's reduce-scatter does; sharding over them too saves memory.
+        """
+        if self.world is None or self.dims.dp * self.dims.cp == 1:
             return None
+        shard = "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
         if self.dims.dp_replicate > 1:
-            return self.world["dp_replicate", "dp_shard"]
-        return self.world["dp_shard"]
+            return self.world["dp_replicate", shard]
+        return self.world[shard]
 
     @property
     def dp_rank(self) -> int:
-        """Index of this rank's batch among the data-parallel ranks."""
+        """Index of this rank's batch among the data-parallel ranks (cp peers share it)."""
         if self.world is None:
             return 0
         return self.world.get_local_rank("dp_replicate") * self.dims.dp_shard + self.world.get_local_rank("dp_shard")
 
-    def dp_groups(self) -> list[dist.ProcessGroup]:
-        """Process groups whose all-reduces together sum over all data-parallel ranks."""
+    def batch_groups(self) -> list[dist.ProcessGroup]:
+        """Process groups whose all-reduces together sum over every token of a step: the
+        data-parallel ranks' batches and the context-parallel ranks' parts of each sequence."""
         if self.world is None:
             return []
-        return [self.world.get_group(n) for n in ("dp_replicate", "dp_shard") if self.dims_size(n) > 1]
+        return [self.world.get_group(n) for n in ("dp_replicate", "dp_shard", "cp") if self.dims_size(n) > 1]
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
@@ -93,6 +104,8 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         return Meshes(None, dims)
     shape = tuple(getattr(dims, name) for name in DIM_NAMES)
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
+    if dims.cp > 1:
+        world["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP's shard dimension (see Meshes.fsdp)
     return Meshes(world, dims)
 
 

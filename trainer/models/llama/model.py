@@ -54,11 +54,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:  # grouped-query attention: each kv head serves n_rep query heads
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=q.shape[2] != k.shape[2])
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 

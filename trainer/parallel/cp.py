@@ -1,0 +1,87 @@
+"""Context parallelism: each sequence is split over the cp ranks along the sequence dimension.
+
+Load balancing: the sequence is cut into 2C chunks and cp rank i holds chunks i and 2C-1-i, so
+every rank gets the same share of the causal attention work (an early and a late chunk).
+
+Attention: keys and values are all-gathered over the cp group (as Llama 3 was trained at long
+context) and each rank's queries attend to the whole sequence under a causal mask built from
+global positions. The gather is autograd-aware: its backward reduce-scatters the key/value
+gradients back to the ranks that own them. With grouped-query attention only the kv heads are
+gathered. This runs on any backend and device, gloo on CPU included (torch's experimental
+``context_parallel`` has no sharding rule for the CPU attention kernel).
+
+The model stays unaware of all this: ``apply_cp`` re-indexes the family's position-indexed
+buffers (the rotary table) to the rank's global positions once, and ``ContextParallelAttention``
+is a ``TorchFunctionMode`` that, while a step runs, replaces each causal
+``F.scaled_dot_product_attention`` call with the gathered, masked one.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.overrides import TorchFunctionMode
+
+
+def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions held by cp ``rank``: chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``."""
+    chunk = seq_len // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)
+    return torch.cat([first, second])
+
+
+def shard_sequence(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """This rank's tokens of ``x`` (batch, seq, ...): the columns at ``positions``."""
+    return x[:, positions.to(x.device)]
+
+
+@torch.no_grad()
+def apply_cp(model: nn.Module, positions: torch.Tensor, buffers: tuple[str, ...]) -> None:
+    """Re-index the position-indexed ``buffers`` (e.g. the rotary table, (max_seq_len, ...)) so that
+    row j holds global position ``positions[j]``: the model then rotates its local tokens by their
+    global positions without knowing it is sharded. Call after the weights are materialised."""
+    for name in buffers:
+        table = getattr(model, name)
+        setattr(model, name, table[positions.to(table.device)].clone())
+
+
+class ContextParallelAttention(TorchFunctionMode):
+    """Within this mode, causal scaled-dot-product attention over local queries sees the whole sequence."""
+
+    def __init__(self, group: dist.ProcessGroup, positions: torch.Tensor, all_positions: torch.Tensor):
+        """``positions``: this rank's global positions; ``all_positions``: every cp rank's, in rank order
+        (the order in which the all-gather concatenates keys and values)."""
+        super().__init__()
+        self.group = group
+        # (local seq, whole seq): query at global position p sees keys at positions <= p
+        self.mask = positions[:, None] >= all_positions[None, :]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]  # (batch, heads, local seq, head_dim)
+        if len(args) > 3 or kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
+            raise NotImplementedError("context parallelism supports causal attention without an explicit mask")
+        k = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.group)
+        v = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.group)
+        kwargs["is_causal"] = False
+        kwargs["attn_mask"] = self.mask.to(q.device)
+        return func(q, k, v, **kwargs)
+
+
+class ContextParallel:
+    """This rank's part of every sequence, and the attention mode that lets it see the whole."""
+
+    def __init__(self, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int):
+        self.group = group
+        self.positions = load_balanced_positions(seq_len, cp, rank)
+        self.all_positions = torch.cat([load_balanced_positions(seq_len, cp, r) for r in range(cp)])
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(x, self.positions)
+
+    def attention(self) -> ContextParallelAttention:
+        return ContextParallelAttention(self.group, self.positions, self.all_positions)
