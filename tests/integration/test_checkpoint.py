@@ -61,6 +61,26 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path):
 
 
 @pytest.mark.slow
+def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
+    layout = ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", "--training.steps", "6",
+              *CKPT]
+    straight = run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
+    run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
+    resumed = run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
+    after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
+    assert resumed["losses"] == straight["losses"][3:]
+    same_layout = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
+    assert same_layout.ok, same_layout.failures[:10]  # bit for bit
+    single, tensors = record(load_config(overrides=PARITY + [
+        "--training.local_batch_size", "8", "--training.steps", "6", *CKPT, "--checkpoint.load_step", "3",
+        "--job.dump_folder", str(tmp_path / "r")]))
+    assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
+    other_layout = compare(tensors, after)
+    REPORT.append(f"{'resume CP2 -> 1 process':<34} worst {other_layout.worst_rel:.2e}  {other_layout.worst_key}")
+    assert other_layout.ok, other_layout.failures[:10]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, mode):
     args = PARITY + ["--training.local_batch_size", "8", "--training.steps", "6", "--checkpoint.enable",

@@ -207,7 +207,12 @@ CLI_ERRORS = [
       "--model.overrides.n_kv_heads", "2"], ["seq_len=31", "tensor_parallel_degree=2"]),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
      ["selective_ac_option", "'x'"]),
-    (["--parallelism.context_parallel_degree", "2"], ["context_parallel_degree", "not supported"]),
+    (["--parallelism.context_parallel_degree", "2", "--training.seq_len", "30"],
+     ["seq_len=30", "2 * [parallelism] context_parallel_degree=2", "4 equal chunks"]),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", "--training.seq_len",
+      "36"], ["seq_len=36 / context_parallel_degree 2 = 18 tokens per rank", "tensor_parallel_degree=4"]),
+    (["--parallelism.context_parallel_degree", "2", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
+      "--model.flavor", "tiny", "--training.seq_len", "32"], ["context_parallel_degree=2", "tiny_gpt", "cp_buffers"]),
 ]
 
 

@@ -20,8 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed import _functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
+
+# torch 2.13 renamed the autograd-aware all-gather (the old name warns); 2.11 has only the old one.
+_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
 def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -65,8 +68,8 @@ class ContextParallelAttention(TorchFunctionMode):
         q, k, v = args[:3]  # (batch, heads, local seq, head_dim)
         if len(args) > 3 or kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
             raise NotImplementedError("context parallelism supports causal attention without an explicit mask")
-        k = all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=self.group)
-        v = all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=self.group)
+        k = _all_gather(k.contiguous(), gather_dim=2, group=self.group)
+        v = _all_gather(v.contiguous(), gather_dim=2, group=self.group)
         kwargs["is_causal"] = False
         kwargs["attn_mask"] = self.mask.to(q.device)
         return func(q, k, v, **kwargs)
