@@ -14,6 +14,15 @@ CONFIG_FILE=${CONFIG_FILE:-./configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-}
 PYTHON=${PYTHON:-python}
 
+if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: NGPU=$NGPU: expected a positive number of processes (e.g. NGPU=4)" >&2
+    exit 2
+fi
+if [ ! -f "$CONFIG_FILE" ]; then
+    echo "error: CONFIG_FILE=$CONFIG_FILE: file not found" >&2
+    exit 2
+fi
+
 # Check the config before any process is started: a bad key fails here with one line.
 WORLD_SIZE="$NGPU" "$PYTHON" train.py --job.config_file "$CONFIG_FILE" "$@" --print-config > /dev/null
 

@@ -24,7 +24,9 @@ def run(argv: list[str]) -> int:
 
             env_world = os.environ.get("WORLD_SIZE", "")
             world_size = invocation.world_size or (int(env_world) if env_world.isdigit() else None)
-            plan = build_job_plan(invocation.config, world_size or _degrees_product(invocation.config))
+            # The dry run plans for other machines: no check against this one's memory.
+            plan = build_job_plan(invocation.config, world_size or _degrees_product(invocation.config),
+                                  check_memory=invocation.action == "print-config")
             if invocation.action == "print-config":
                 print(to_toml(invocation.config), end="")
             else:
@@ -38,7 +40,29 @@ def run(argv: list[str]) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not _lost_peer(e):
+            raise
+        # A consequence, not a cause: another rank died or hung first. The launcher's summary
+        # names it; a traceback from every survivor would bury that line.
+        rank = os.environ.get("RANK", "0")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: rank {rank}: lost contact with another rank ({type(e).__name__}: {first[:200]})",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _lost_peer(e: Exception) -> bool:
+    """Whether ``e`` is a collective or point-to-point failing because a peer died or stopped answering."""
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting",
+                                      "timed out", "Socket Timeout", "Broken pipe"))
 
 
 def _degrees_product(config) -> int:
@@ -50,4 +74,10 @@ def _degrees_product(config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+    try:
+        code = run(sys.argv[1:])
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `python train.py --help | head -3`: the reader left, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    sys.exit(code)

@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import schema
-from trainer.config.validate import decay_steps
+from trainer.config.validate import decay_steps, warmup_steps
 
 
 def build_optimizer(model: nn.Module, optimizer: schema.Optimizer) -> torch.optim.Optimizer:
@@ -45,7 +45,7 @@ def lr_factor(step: int, lr_scheduler: schema.LRScheduler, steps: int) -> float:
     to ``min_lr_factor``, reaching it exactly at the last step; in between the lr is flat.
     Never negative: beyond ``steps`` the factor stays at the floor.
     """
-    warmup = lr_scheduler.warmup_steps
+    warmup = warmup_steps(lr_scheduler, steps)
     if step <= warmup:
         return step / warmup
     decay = decay_steps(lr_scheduler, steps)

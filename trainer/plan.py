@@ -9,6 +9,7 @@ recomputes what it holds.
 """
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,8 +108,11 @@ class JobPlan:
         return bubble_fraction(p.schedule, p.pp, self.n_microbatches, p.stages_per_rank)
 
 
-def build_job_plan(config: JobConfig, world_size: int) -> JobPlan:
-    """Decide and check everything about the job that needs no process group. Raises ConfigError."""
+def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = True) -> JobPlan:
+    """Decide and check everything about the job that needs no process group. Raises ConfigError.
+
+    ``check_memory``: refuse a job whose lower-bound memory per device exceeds this machine's
+    devices (off for the dry run, which plans for other machines)."""
     t, p = config.training, config.parallelism
     import_model_modules(config.model.modules)
     spec = get_model_spec(config.model.name)
@@ -122,6 +126,13 @@ def build_job_plan(config: JobConfig, world_size: int) -> JobPlan:
                     f"[parallelism] tensor_parallel_degree={dims.tp} must divide model {name}={count}"
                     f" ({config.model.name} {config.model.flavor})"
                 )
+    if config.checkpoint.export_hf and spec.hf is None:
+        raise ConfigError(
+            f"[checkpoint] export_hf: model family {spec.name} has no Hugging Face adapter (ModelSpec.hf);"
+            " set export_hf = false"
+        )
+    if check_memory:  # before the model is built: absurd sequence lengths overflow even meta tensors
+        _check_logits_memory(config, dims, spec.vocab_size(args))
     if dims.cp > 1 and not spec.cp_buffers:
         raise ConfigError(
             f"[parallelism] context_parallel_degree={dims.cp}: model family {spec.name} does not declare"
@@ -149,6 +160,8 @@ def build_job_plan(config: JobConfig, world_size: int) -> JobPlan:
         n_microbatches=n_micro, reporting_rank=_reporting_rank(dims, pipeline),
         stage_params=stage_params, stage_flops=stage_flops,
     )
+    if check_memory:
+        _check_state_memory(plan)
     if pipeline is not None and n_micro < pipeline.num_stages:
         bubble = plan.bubble()
         logger.warning(
@@ -157,6 +170,43 @@ def build_job_plan(config: JobConfig, world_size: int) -> JobPlan:
             n_micro, pipeline.num_stages, "unknown" if bubble is None else f"{100 * bubble:.0f}%",
         )
     return plan
+
+
+def device_memory_bytes() -> int:
+    """Memory of one device of this machine: the first accelerator's, or the machine's RAM."""
+    from trainer.env import device_type
+
+    if device_type() == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_state_memory(plan: JobPlan) -> None:
+    """Refuse what cannot fit before anything is allocated: fp32 parameters + gradients + Adam
+    moments of the busiest pipeline rank, exact arithmetic on the config (a lower bound)."""
+    available, gib = device_memory_bytes(), 2**30
+    state = max(plan.state_gib_per_device(r) for r in range(plan.dims.pp)) * gib
+    if state > available:
+        raise ConfigError(
+            f"[model] {plan.config.model.flavor} with [model.overrides] {plan.config.model.overrides or '{}'}:"
+            f" {plan.num_params / 1e9:,.2f}B parameters need ~{state / gib:,.0f} GiB per device for weights,"
+            f" gradients and Adam state (split {plan.param_split} ways), more than the {available / gib:,.0f} GiB"
+            " of this machine's device; raise [parallelism] data_parallel_shard_degree or tensor_parallel_degree"
+        )
+
+
+def _check_logits_memory(config: JobConfig, dims: ParallelDims, vocab_size: int) -> None:
+    """The fp32 logits of one microbatch (batch x tokens per rank x vocabulary / TP) are a lower
+    bound of the activation memory of any language model."""
+    t, available, gib = config.training, device_memory_bytes(), 2**30
+    batch = t.local_batch_size if dims.pp == 1 else config.parallelism.pipeline_parallel_microbatch_size
+    logits = batch * (t.seq_len // dims.cp) * vocab_size * 4 / dims.tp
+    if logits > available:
+        raise ConfigError(
+            f"[training] local_batch_size={t.local_batch_size}, seq_len={t.seq_len}: the logits of one microbatch"
+            f" alone need ~{logits / gib:,.0f} GiB (x vocabulary {vocab_size}), more than the"
+            f" {available / gib:,.0f} GiB of this machine's device"
+        )
 
 
 def _reporting_rank(dims: ParallelDims, pipeline: PipelinePlan | None) -> int:

@@ -25,4 +25,5 @@ def test_every_rank_reports_the_same_error(tmp_path, args, message):
     assert 1 <= len(errors) <= 2, output[-3000:]
     assert all(message in line for line in errors)
     assert "Traceback" not in output
-    assert re.search(r"error: rank\(s\) 0, 1 exited with status .*2; see their output above", output)
+    # The launcher's summary names the rank that failed first and its status.
+    assert re.search(r"error: rank [01] failed first \(exit status 2\); .*see rank [01]'s output above", output)

@@ -205,7 +205,9 @@ def parse_cli_value(spec: FieldSpec, text: str) -> Any:
         stripped = text.strip()
         if stripped.startswith("["):
             return check_value(spec, parse_toml_literal(stripped))
-        items = [s.strip() for s in stripped.split(",") if s.strip()]
+        items = [s.strip() for s in stripped.split(",")] if stripped else []
+        if "" in items:
+            raise ConfigError(f"got {text!r}: an empty entry in a comma-separated list")
         if spec.elem == "int":
             try:
                 return [int(s) for s in items]

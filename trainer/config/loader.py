@@ -104,7 +104,8 @@ def read_toml(path: str | Path, _chain: tuple[Path, ...] = ()) -> Flat:
         cycle = " -> ".join(str(p) for p in _chain + (resolved,))
         raise ConfigError(f"{EXTENDS_KEY}: cycle between config files: {cycle}")
     if not path.is_file():
-        raise ConfigError(f"[job] config_file: file not found: {path}")
+        what = "not a regular file" if path.exists() else "file not found"
+        raise ConfigError(f"[job] config_file: {what}: {path}")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:

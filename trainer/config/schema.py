@@ -18,6 +18,7 @@ class Range:
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
+    lt: float | None = None
     also: tuple = ()
 
     def accepts(self, value: float) -> bool:
@@ -26,6 +27,8 @@ class Range:
         if self.ge is not None and value < self.ge:
             return False
         if self.gt is not None and value <= self.gt:
+            return False
+        if self.lt is not None and value >= self.lt:
             return False
         return self.le is None or value <= self.le
 
@@ -37,6 +40,8 @@ class Range:
             parts.append(f"> {self.gt:g}")
         if self.le is not None:
             parts.append(f"<= {self.le:g}")
+        if self.lt is not None:
+            parts.append(f"< {self.lt:g}")
         text = " and ".join(parts)
         for v in self.also:
             text += f" or {v}"
@@ -46,6 +51,7 @@ class Range:
 Positive = Range(gt=0)
 NonNegative = Range(ge=0)
 Degree = Range(ge=1)
+Timeout = Range(gt=0, le=7 * 24 * 3600)  # a week; larger values overflow the process group's int timers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +88,9 @@ class Optimizer:
     """Optimizer class from torch.optim."""
     lr: Annotated[float, NonNegative] = 8e-4
     """Peak learning rate."""
-    beta1: Annotated[float, Range(ge=0, le=1)] = 0.9
+    beta1: Annotated[float, Range(ge=0, lt=1)] = 0.9
     """Adam beta1 (first-moment decay)."""
-    beta2: Annotated[float, Range(ge=0, le=1)] = 0.95
+    beta2: Annotated[float, Range(ge=0, lt=1)] = 0.95
     """Adam beta2 (second-moment decay)."""
     eps: Annotated[float, Positive] = 1e-8
     """Adam epsilon."""
@@ -244,15 +250,15 @@ class Metrics:
 
 @dataclass(frozen=True, kw_only=True)
 class Comm:
-    init_timeout_seconds: Annotated[int, Positive] = 300
+    init_timeout_seconds: Annotated[int, Timeout] = 300
     """Timeout for process-group set-up and the first collectives, in seconds."""
-    train_timeout_seconds: Annotated[int, Positive] = 100
+    train_timeout_seconds: Annotated[int, Timeout] = 100
     """Timeout for collectives once training runs, in seconds."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class Debug:
-    seed: Annotated[int, NonNegative] = 0
+    seed: Annotated[int, Range(ge=0, le=2**63 - 1)] = 0
     """Seed for weight init and any randomness in training."""
     deterministic: bool = False
     """Use deterministic algorithms only (slower; for reproducibility and parity tests)."""

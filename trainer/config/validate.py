@@ -4,11 +4,15 @@ Checks that need the model, the world size or torch (parallel degrees, split poi
 schedule constraints) happen while the job plan is built (``trainer.plan.build_job_plan``).
 """
 
+import logging
+import re
 from pathlib import Path
 
 from trainer.config.schedules import SCHEDULES
 from trainer.config.schema import CHECKPOINT_PARTS, JobConfig, LRScheduler, Training
 from trainer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def validate_config(config: JobConfig) -> None:
@@ -20,23 +24,31 @@ def validate_config(config: JobConfig) -> None:
     _check_files(config)
 
 
+def warmup_steps(lr_scheduler: LRScheduler, steps: int) -> int:
+    """Warm-up steps actually used: ``warmup_steps``, at most ``steps``."""
+    return min(lr_scheduler.warmup_steps, steps)
+
+
 def decay_steps(lr_scheduler: LRScheduler, steps: int) -> int:
-    """Number of steps in the decay phase of the LR schedule (``lr_scheduler`` is that section)."""
+    """Number of steps in the decay phase of the LR schedule, at most what warm-up leaves."""
+    left = steps - warmup_steps(lr_scheduler, steps)
     if lr_scheduler.decay_ratio is None:
-        return steps - lr_scheduler.warmup_steps
-    return round(lr_scheduler.decay_ratio * steps)
+        return left
+    return min(round(lr_scheduler.decay_ratio * steps), left)
 
 
 def _check_lr_schedule(config: JobConfig) -> None:
+    """A schedule longer than the run is shortened, with a warning naming the keys (so that a
+    one-step smoke test of any job works): warm-up first, then decay."""
     lr, steps = config.lr_scheduler, config.training.steps
     if lr.warmup_steps > steps:
-        raise ConfigError(f"[lr_scheduler] warmup_steps={lr.warmup_steps} exceeds [training] steps={steps}")
-    decay = decay_steps(lr, steps)
-    if lr.warmup_steps + decay > steps:
-        raise ConfigError(
-            f"[lr_scheduler] warmup_steps {lr.warmup_steps} + decay steps {decay} (decay_ratio {lr.decay_ratio}"
-            f" * steps {steps}) exceed [training] steps={steps}; lower decay_ratio or warmup_steps"
-        )
+        logger.warning("[lr_scheduler] warmup_steps=%d exceeds [training] steps=%d: warming up over %d steps",
+                       lr.warmup_steps, steps, steps)
+    wanted = None if lr.decay_ratio is None else round(lr.decay_ratio * steps)
+    if wanted is not None and wanted > decay_steps(lr, steps):
+        logger.warning(
+            "[lr_scheduler] decay_ratio=%g of [training] steps=%d is %d decay steps, but warm-up leaves %d: decaying"
+            " over %d", lr.decay_ratio, steps, wanted, steps - warmup_steps(lr, steps), decay_steps(lr, steps))
 
 
 def _check_parallelism(config: JobConfig) -> None:
@@ -53,6 +65,19 @@ def _check_parallelism(config: JobConfig) -> None:
             f"[training] seq_len={t.seq_len}{per_rank} must be divisible by [parallelism] tensor_parallel_degree="
             f"{tp} for sequence parallelism (or set enable_sequence_parallel = false)"
         )
+    for point in p.pipeline_parallel_split_points:
+        if not re.fullmatch(r"[A-Za-z_][\w]*(\.\w+)*", point):
+            raise ConfigError(
+                f"[parallelism] pipeline_parallel_split_points: {point!r} is not a module name like 'layers.4'"
+                f" (got {p.pipeline_parallel_split_points})"
+            )
+    if p.pipeline_parallel_schedule_csv:
+        _check_csv_syntax(p.pipeline_parallel_schedule_csv)
+    if p.pipeline_parallel_degree == 1:
+        ignored = [k for k, v in (("pipeline_parallel_split_points", p.pipeline_parallel_split_points),
+                                  ("pipeline_parallel_schedule_csv", p.pipeline_parallel_schedule_csv)) if v]
+        if ignored:
+            logger.warning("[parallelism] %s set but pipeline_parallel_degree=1: ignored", ", ".join(ignored))
     if p.tensor_parallel_overrides and p.tensor_parallel_plan != "auto":
         raise ConfigError("[parallelism.tensor_parallel_overrides] apply to tensor_parallel_plan = \"auto\" only")
     if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
@@ -63,6 +88,26 @@ def _check_parallelism(config: JobConfig) -> None:
     if t.global_batch_size != -1 and p.data_parallel_shard_degree != -1:
         # The data-parallel degree is known without the world size: check the batch arithmetic now.
         check_batch(t, p.data_parallel_replicate_degree * p.data_parallel_shard_degree)
+
+
+_CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
+
+
+def _check_csv_syntax(path: str) -> None:
+    """Every cell of a schedule CSV is an action like 0F1 (stage, F/B/I/W, microbatch); whether its
+    stages and microbatches fit the job is checked when the job is planned."""
+    try:
+        rows = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{_CSV_KEY}: cannot read {path}: {e}") from None
+    if not rows:
+        raise ConfigError(f"{_CSV_KEY}: {path} is empty; one row of actions per pipeline rank is needed")
+    for r, row in enumerate(rows):
+        for cell in row.split(","):
+            if not re.fullmatch(r"\s*\d+\s*[FBIW]\s*\d+\s*", cell):
+                raise ConfigError(
+                    f"{_CSV_KEY}: {path} row {r + 1}: {cell!r} is not an action like 0F1 (stage, F/B/I/W, microbatch)"
+                )
 
 
 def check_batch(training: Training, dp: int) -> None:

@@ -7,6 +7,8 @@ module in ``[model] modules``; see docs/models.md.
 import dataclasses
 import difflib
 import importlib
+import re
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +70,8 @@ class ModelSpec:
     """args -> vocabulary size (the tokenizer is cut to it)."""
     tp_divisible: Callable[[Any], dict[str, int]] = lambda args: {}
     """args -> {name: count} that the tensor-parallel degree must divide (e.g. attention heads)."""
+    validate_args: Callable[[Any], None] | None = None
+    """Raise ConfigError (naming the ``[model.overrides]`` key) when resolved args cannot build a model."""
     cp_buffers: tuple[str, ...] = ()
     """Buffers indexed by sequence position (e.g. the rotary table). A family supports context
     parallelism when it names them and its attention is a causal F.scaled_dot_product_attention."""
@@ -89,10 +93,13 @@ def register_model(spec: ModelSpec) -> ModelSpec:
 def import_model_modules(modules: list[str]) -> None:
     """Import the user modules named in ``[model] modules`` so they can register families."""
     for name in modules:
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
+            raise ConfigError(f"[model] modules: {name!r} is not a Python module name (like 'my_models' or 'pkg.models')")
         try:
             importlib.import_module(name)
-        except ImportError as e:
-            raise ConfigError(f"[model] modules: cannot import {name!r}: {e}") from None
+        except Exception as e:  # a syntax error or an exception raised by the module itself included
+            where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+            raise ConfigError(f"[model] modules: cannot import {name!r}: {type(e).__name__}: {e}{where}") from None
 
 
 def get_model_spec(name: str) -> ModelSpec:
@@ -117,6 +124,7 @@ def resolve_model_args(spec: ModelSpec, model_section: Model) -> Any:
         )
     args = spec.flavors[model_section.flavor]
     fields = {f.name: f for f in dataclasses.fields(args)}
+    hints = typing.get_type_hints(type(args))
     updates = dict(model_section.overrides)
     for key, value in updates.items():
         if key not in fields:
@@ -128,11 +136,38 @@ def resolve_model_args(spec: ModelSpec, model_section: Model) -> Any:
             raise ConfigError(
                 f"[model.overrides] {key}: got {value!r}, expected a {type(current).__name__} like the flavor's {current!r}"
             )
+        if current is None and not _matches_annotation(hints.get(key), value):
+            raise ConfigError(f"[model.overrides] {key}: got {value!r}, expected {_describe(hints.get(key))}")
     if model_section.tie_embeddings:
         if "tie_embeddings" not in fields:
             raise ConfigError(f"[model] tie_embeddings: model family {spec.name} does not support tied embeddings")
         updates["tie_embeddings"] = True
-    return dataclasses.replace(args, **updates)
+    resolved = dataclasses.replace(args, **updates)
+    if spec.validate_args is not None:
+        spec.validate_args(resolved)
+    return resolved
+
+
+def _matches_annotation(hint: Any, value: Any) -> bool:
+    """Whether ``value`` fits a field declared ``hint`` (e.g. ``float | None``); unknown hints accept anything."""
+    if hint is None:
+        return True
+    options = [h for h in typing.get_args(hint) if h is not type(None)] or [hint]
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return True
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if option in (int, str) and isinstance(value, option) and not isinstance(value, bool):
+            return True
+        if not isinstance(option, type) or option not in (bool, int, float, str):
+            return True  # a type this check does not know: the family's validate_args decides
+    return False
+
+
+def _describe(hint: Any) -> str:
+    options = [h for h in typing.get_args(hint) if h is not type(None)] or [hint]
+    return " or ".join(getattr(o, "__name__", str(o)) for o in options)
 
 
 def _same_kind(current: Any, value: Any) -> bool:

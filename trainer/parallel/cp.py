@@ -4,8 +4,8 @@ Load balancing: the sequence is cut into 2C chunks and cp rank i holds chunks i 
 every rank gets the same share of the causal attention work (an early and a late chunk).
 
 Attention: keys and values are all-gathered over the cp group (as Llama 3 was trained at long
-context) and each rank's queries attend to the whole sequence under a causal mask built from
-global positions. The gather is autograd-aware: its backward reduce-scatters the key/value
+context) and each rank's queries attend to the sequence up to their own positions, one
+contiguous run (chunk) at a time, under a causal mask built from global positions. The gather is autograd-aware: its backward reduce-scatters the key/value
 gradients back to the ranks that own them. With grouped-query attention only the kv heads are
 gathered. This runs on any backend and device, gloo on CPU included (torch's experimental
 ``context_parallel`` has no sharding rule for the CPU attention kernel).
@@ -58,8 +58,28 @@ class ContextParallelAttention(TorchFunctionMode):
         (the order in which the all-gather concatenates keys and values)."""
         super().__init__()
         self.group = group
-        # (local seq, whole seq): query at global position p sees keys at positions <= p
-        self.mask = positions[:, None] >= all_positions[None, :]
+        self.order = torch.argsort(all_positions)  # gathered keys -> global order
+        # Each contiguous run of local queries attends only to the keys up to its last position (a
+        # prefix): the early chunk skips the late half of the sequence instead of masking it.
+        # (local start, local end, key prefix length, causal mask of the run over that prefix)
+        self.runs = []
+        starts = [0] + [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
+        for a, b in zip(starts, starts[1:] + [len(positions)]):
+            run = positions[a:b]
+            prefix = int(run[-1]) + 1
+            self.runs.append((a, b, prefix, run[:, None] >= torch.arange(prefix)[None, :]))
+        self._masks: dict = {}
+
+    def _mask(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Run ``i``'s mask as an additive float mask in ``like``'s dtype, made once and shared by every
+        layer: the attention kernel keeps its mask for backward, and a bool mask would be converted
+        (and kept) anew by each layer."""
+        key = (i, like.device, like.dtype)
+        if key not in self._masks:
+            allowed = self.runs[i][3].to(like.device)
+            self._masks[key] = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self._masks[key]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
@@ -68,11 +88,15 @@ class ContextParallelAttention(TorchFunctionMode):
         q, k, v = args[:3]  # (batch, heads, local seq, head_dim)
         if len(args) > 3 or kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
             raise NotImplementedError("context parallelism supports causal attention without an explicit mask")
-        k = _all_gather(k.contiguous(), gather_dim=2, group=self.group)
-        v = _all_gather(v.contiguous(), gather_dim=2, group=self.group)
+        order = self.order.to(q.device)
+        k = _all_gather(k.contiguous(), gather_dim=2, group=self.group).index_select(2, order)
+        v = _all_gather(v.contiguous(), gather_dim=2, group=self.group).index_select(2, order)
         kwargs["is_causal"] = False
-        kwargs["attn_mask"] = self.mask.to(q.device)
-        return func(q, k, v, **kwargs)
+        outs = []
+        for i, (a, b, prefix, _) in enumerate(self.runs):
+            kwargs["attn_mask"] = self._mask(i, q)
+            outs.append(func(q[:, :, a:b], k[:, :, :prefix], v[:, :, :prefix], **kwargs))
+        return torch.cat(outs, dim=2)
 
 
 class ContextParallel:
@@ -82,9 +106,11 @@ class ContextParallel:
         self.group = group
         self.positions = load_balanced_positions(seq_len, cp, rank)
         self.all_positions = torch.cat([load_balanced_positions(seq_len, cp, r) for r in range(cp)])
+        self._attention = ContextParallelAttention(group, self.positions, self.all_positions)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, self.positions)
 
     def attention(self) -> ContextParallelAttention:
-        return ContextParallelAttention(self.group, self.positions, self.all_positions)
+        """The mode to enter around each forward and backward (one instance: its masks are reused)."""
+        return self._attention

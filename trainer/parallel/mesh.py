@@ -28,13 +28,18 @@ def init_distributed(device: torch.device, init_timeout_seconds: int) -> None:
 
 
 def set_train_timeout(seconds: int) -> None:
-    """Switch from the generous set-up timeout to the training one, after the first step."""
+    """Switch from the generous set-up timeout to the training one, after the first step, on every
+    process group this rank is in: the mesh's sub-groups (pipeline, FSDP, TP, cp) and the tied-weight
+    pairs keep the timeout they were created with otherwise, and a hung peer would hold the job
+    for the set-up timeout."""
     try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-    except ImportError:  # private helper; without it the set-up timeout stays in force
+        from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+    except ImportError:  # private helpers; without them the set-up timeout stays in force
         logger.warning("cannot change the process-group timeout on this torch; keeping the init timeout")
         return
-    _set_pg_timeout(datetime.timedelta(seconds=seconds), dist.group.WORLD)
+    timeout = datetime.timedelta(seconds=seconds)
+    for group in list(_world.pg_map):
+        _set_pg_timeout(timeout, group)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+from trainer.errors import ConfigError
+
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaArgs:
@@ -31,6 +33,30 @@ class LlamaArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+def validate_llama_args(a: LlamaArgs) -> None:
+    """One-line errors for args that cannot build a working Llama, naming the override key."""
+
+    def bad(key: str, why: str) -> ConfigError:
+        return ConfigError(f"[model.overrides] {key}={getattr(a, key)!r}: {why}")
+
+    for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of"):
+        if getattr(a, key) < 1:
+            raise bad(key, "must be >= 1")
+    if a.n_kv_heads is not None and a.n_kv_heads < 1:
+        raise bad("n_kv_heads", "must be >= 1 (or unset for n_heads)")
+    if a.dim % a.n_heads:
+        raise bad("n_heads", f"must divide dim={a.dim}")
+    if (a.dim // a.n_heads) % 2:
+        raise bad("n_heads", f"the head size dim / n_heads = {a.dim // a.n_heads} must be even (rotary embeddings)")
+    if a.n_heads % a.num_kv_heads:
+        raise bad("n_kv_heads", f"must divide n_heads={a.n_heads} (grouped-query attention)")
+    if a.ffn_dim_multiplier is not None and a.ffn_dim_multiplier <= 0:
+        raise bad("ffn_dim_multiplier", "must be > 0")
+    for key in ("norm_eps", "rope_theta"):
+        if not getattr(a, key) > 0:
+            raise bad(key, "must be > 0")
 
 
 FLAVORS = {

@@ -1,0 +1,113 @@
+"""Bad input of every kind: one line naming the key or file, never a traceback (issue: reliability).
+
+Each case goes through what a run does before anything is allocated: the config, then the job
+plan (``load_plan``); a few go through the real entry points.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_MODEL, load_plan
+from trainer.errors import ConfigError
+from trainer.optim import lr_factor
+
+REPO = Path(__file__).resolve().parents[2]
+O = "--model.overrides."
+GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny", "--training.seq_len", "32"]
+
+BAD = [
+    # model args the family cannot build (each names the [model.overrides] key)
+    ([O + "dim", "-64"], "[model.overrides] dim=-64: must be >= 1"),
+    ([O + "n_heads", "0"], "[model.overrides] n_heads=0: must be >= 1"),
+    ([O + "n_heads", "7"], "[model.overrides] n_heads=7: must divide dim=256"),
+    ([O + "n_kv_heads", "3"], "[model.overrides] n_kv_heads=3: must divide n_heads=16"),
+    ([O + "n_kv_heads", "32"], "[model.overrides] n_kv_heads=32: must divide n_heads=16"),
+    ([O + "multiple_of", "0"], "[model.overrides] multiple_of=0: must be >= 1"),
+    ([O + "ffn_dim_multiplier", "abc"], "[model.overrides] ffn_dim_multiplier: got 'abc', expected float"),
+    ([O + "ffn_dim_multiplier", "-2.0"], "[model.overrides] ffn_dim_multiplier=-2.0: must be > 0"),
+    ([O + "n_layers", "0"], "[model.overrides] n_layers=0: must be >= 1"),
+    ([O + "n_layers", "-1"], "[model.overrides] n_layers=-1: must be >= 1"),
+    ([O + "vocab_size", "0"], "[model.overrides] vocab_size=0: must be >= 1"),
+    ([O + "norm_eps", "-1.0"], "[model.overrides] norm_eps=-1.0: must be > 0"),
+    ([O + "n_heads", "256"], "head size dim / n_heads = 1 must be even"),
+    # sizes that would exhaust memory: refused by arithmetic before anything is allocated
+    ([O + "dim", "100000000"], "GiB per device for weights, gradients and Adam state"),
+    (["--training.local_batch_size", "1000000000"], "[training] local_batch_size=1000000000, seq_len=256: the logits"),
+    (["--training.seq_len", "1000000000"], "seq_len=1000000000: the logits of one microbatch"),
+    (["--training.seq_len", str(2**63 - 1)], "the logits of one microbatch"),
+    # numbers out of range
+    (["--optimizer.beta2", "1.0"], "[optimizer] beta2: got 1.0, expected a number >= 0 and < 1"),
+    (["--debug.seed", str(2**64)], "[debug] seed"),
+    (["--comm.train_timeout_seconds", "1000000000000000"], "[comm] train_timeout_seconds"),
+    (["--comm.init_timeout_seconds", "1000000000000000"], "[comm] init_timeout_seconds"),
+    # user modules that cannot be imported
+    (["--model.modules", "broken_syntax"], "[model] modules: cannot import 'broken_syntax': SyntaxError"),
+    (["--model.modules", "broken_import"], "cannot import 'broken_import': RuntimeError: this module refuses to load"),
+    (["--model.modules", "../etc"], "[model] modules: '../etc' is not a Python module name"),
+    # pipeline keys are checked even where a pipeline degree of 1 ignores them
+    (["--parallelism.pipeline_parallel_split_points", "layers.2,,layers.4"], "[parallelism] pipeline_parallel_split_points: got 'layers.2,,layers.4': an empty entry"),
+    (["--parallelism.pipeline_parallel_schedule", "ZeroBubbleV"], "did you mean 'ZBVZeroBubble'?"),
+    # a feature the family does not have, refused before the run rather than after it
+    (GPT + ["--checkpoint.export_hf"], "[checkpoint] export_hf: model family tiny_gpt has no Hugging Face adapter"),
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
+def test_bad_input_is_one_line_naming_the_key(argv, words):
+    with pytest.raises(ConfigError) as info:
+        load_plan(argv, 1)
+    message = str(info.value)
+    assert words in message and "\n" not in message
+
+
+def test_a_malformed_schedule_csv_is_refused_at_any_pipeline_degree(tmp_path):
+    csv = tmp_path / "s.csv"
+    csv.write_text("0F0,zz\n")
+    with pytest.raises(ConfigError, match="row 1: 'zz' is not an action like 0F1"):
+        load_plan(["--parallelism.pipeline_parallel_schedule_csv", str(csv)], 1)
+    csv.write_text("")
+    with pytest.raises(ConfigError, match="is empty"):
+        load_plan(["--parallelism.pipeline_parallel_schedule_csv", str(csv)], 1)
+
+
+def test_a_one_step_smoke_test_of_any_job_works(caplog):
+    # configs/debug_model.toml warms up over 2 steps; with 1 step the warm-up is shortened, with a warning.
+    plan = load_plan(["--training.steps", "1"], 1, config_file="configs/debug_model.toml")
+    assert "warmup_steps=2 exceeds [training] steps=1" in caplog.text
+    assert lr_factor(1, plan.config.lr_scheduler, 1) == 1.0
+    # torchtitan-style decay_ratio 0.8 of 3 steps after 2 warm-up steps: the decay gets the 1 step left.
+    caplog.clear()
+    plan = load_plan(["--training.steps", "3", "--lr_scheduler.decay_ratio", "0.8"], 1,
+                     config_file="configs/debug_model.toml")
+    assert "decay_ratio=0.8 of [training] steps=3 is 2 decay steps, but warm-up leaves 1" in caplog.text
+    assert [lr_factor(s, plan.config.lr_scheduler, 3) for s in (1, 2, 3)] == pytest.approx([0.5, 1.0, 0.0])
+
+
+def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests" / "fixtures"), "PYTHON": sys.executable}
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=120, **kw)
+
+
+@pytest.mark.parametrize("ngpu", ["0", "abc", "-1"])
+def test_run_train_refuses_a_bad_process_count(ngpu):
+    proc = subprocess.run(["./run_train.sh"], cwd=REPO, env={**os.environ, "NGPU": ngpu}, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: NGPU={ngpu}: expected a positive number of processes (e.g. NGPU=4)"
+
+
+def test_help_piped_into_head_ends_quietly():
+    proc = subprocess.run(f"{sys.executable} train.py --help | head -3", shell=True, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+    assert len(proc.stdout.splitlines()) == 3
+
+
+def test_entry_point_prints_one_line_for_a_model_error():
+    proc = run_cli([sys.executable, "train.py", *TINY_MODEL, O + "n_kv_heads", "3", "--print-config"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "error: [model.overrides] n_kv_heads=3: must divide n_heads=4 (grouped-query attention)"
