@@ -27,7 +27,9 @@ def failure_summary(failures: dict) -> str:
     """One line: the rank that failed first and how, then the others grouped by how they ended.
 
     ``failures`` maps global rank -> torchrun's ProcessFailure (exitcode, timestamp)."""
-    first = min(failures, key=lambda r: (failures[r].timestamp, r))
+    # The launcher's own SIGTERM is a consequence of another failure; among the rest, the earliest
+    # (torchrun's timestamps are whole seconds, so ties fall to the lower rank).
+    first = min(failures, key=lambda r: (failures[r].exitcode == -15, failures[r].timestamp, r))
     line = f"rank {first} failed first ({_how(failures[first].exitcode)})"
     by_code: dict[int, list[int]] = {}
     for rank in sorted(failures):

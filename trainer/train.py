@@ -34,6 +34,7 @@ from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
 from trainer.parallel.pipeline import run_schedule
 from trainer.plan import JobPlan, build_job_plan
+from trainer.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +197,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
     config = run.plan.config
     start_step = run.checkpointer.load()
     result = TrainResult()
+    distributed = run.plan.dims.world_size > 1
+    watchdog = Watchdog(config.comm.train_timeout_seconds, dist.get_rank()) if distributed else None
     gc.disable()  # collected every gc_freq steps instead, so pauses happen at known points
     try:
         last_step = min(config.training.steps, config.training.stop_at_step or config.training.steps)
@@ -219,18 +222,24 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                 raise TrainingDiverged(
                     f"loss is {loss_value} at step {step}; lower [optimizer] lr or [training] max_norm"
                 )
-            if step == start_step + 1 and run.plan.dims.world_size > 1:
+            if step == start_step + 1 and distributed:
                 set_train_timeout(config.comm.train_timeout_seconds)
+            if watchdog is not None:
+                watchdog.beat()
             result.losses.append(loss_value)
             result.grad_norms.append(norm_value)
             result.lrs.append(lr)
             tokens = sum(x.numel() for x, _ in microbatches) * run.plan.dims.cp  # the replica's tokens
             run.metrics.log(StepStats(step, loss_value, norm_value, lr), tokens)
-            run.checkpointer.maybe_save(step, last=step == last_step, final=step == config.training.steps)
-        run.checkpointer.wait()
+            with watchdog.paused() if watchdog is not None else contextlib.nullcontext():
+                run.checkpointer.maybe_save(step, last=step == last_step, final=step == config.training.steps)
+        with watchdog.paused() if watchdog is not None else contextlib.nullcontext():
+            run.checkpointer.wait()
         if observer is not None:
             observer.on_end(run.parts)
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         gc.enable()
         run.metrics.close()
     logger.info("training %s after step %d", "finished" if last_step == config.training.steps else "stopped", last_step)

@@ -1,0 +1,29 @@
+"""Run under torchrun: the real entry point (train.py's ``run``), with one rank failing at step 3.
+
+    FAULT=die|hang torchrun --nproc_per_node 2 tests/distributed/fault_worker.py --section.key value ...
+die: rank 1 kills itself (SIGKILL). hang: rank 1 stops itself (SIGSTOP) and never answers again.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import trainer.train as train_mod  # noqa: E402
+from train import run  # noqa: E402
+
+real_step = train_mod.train_step
+calls = {"n": 0}
+
+
+def failing_step(*args, **kwargs):
+    calls["n"] += 1
+    if calls["n"] == 3 and os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL if os.environ["FAULT"] == "die" else signal.SIGSTOP)
+    return real_step(*args, **kwargs)
+
+
+train_mod.train_step = failing_step
+sys.exit(run(sys.argv[1:]))

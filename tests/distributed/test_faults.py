@@ -1,0 +1,36 @@
+"""A dead or hung rank ends the job within the train timeout plus the launcher's grace period,
+with one summary line; the surviving rank prints one line, not a traceback."""
+
+import re
+import time
+
+import pytest
+
+from tests.distributed.harness import PARITY, REPO, torchrun
+
+TIMEOUT = 5  # [comm] train_timeout_seconds
+GRACE = 45  # torchrun stops the other ranks with SIGTERM and kills them 30 s later; plus start-up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["die", "hang"])
+def test_a_dead_or_hung_pipeline_rank_ends_the_job(fault, tmp_path):
+    args = [str(REPO / "tests" / "distributed" / "fault_worker.py"), *PARITY, "--model.overrides.n_layers", "4",
+            "--training.steps", "50", "--training.local_batch_size", "8",
+            "--parallelism.pipeline_parallel_degree", "2", "--comm.train_timeout_seconds", str(TIMEOUT),
+            "--job.dump_folder", str(tmp_path)]
+    start = time.monotonic()
+    proc = torchrun(2, args, tmp_path, timeout=300, env={"FAULT": fault})
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert elapsed < TIMEOUT + GRACE, f"took {elapsed:.0f} s"
+    summary = [line for line in output.splitlines() if "failed first" in line]
+    assert len(summary) == 1, output[-3000:]
+    if fault == "die":  # the dead rank failed first
+        assert summary[0].startswith("error: rank 1 failed first (killed (SIGKILL))")
+    else:  # the survivor timed out first; the hung rank is the one the launcher had to kill
+        assert summary[0].startswith("error: rank 0 failed first (exit status 1); rank 1: killed (SIGKILL)")
+    assert "Traceback" not in output, output[-3000:]
+    if fault == "hang":  # the survivor says why it gave up, in one line
+        assert re.search(r"error: rank 0: (no training progress for 5 s|lost contact with another rank)", output)
