@@ -45,9 +45,10 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-def load_plan(overrides: list[str], world_size: int | None = None, config_file=None):
+def load_plan(overrides: list[str], world_size: int | None = None, config_file=None, check_memory: bool = True):
     """Config + job plan, as a run builds them (model-level checks happen in the plan); the world
-    size defaults to the product of the configured degrees."""
+    size defaults to the product of the configured degrees. ``check_memory=False`` plans, like the
+    dry run, for machines bigger than this one."""
     from trainer.config import load_config
     from trainer.plan import build_job_plan
 
@@ -56,4 +57,4 @@ def load_plan(overrides: list[str], world_size: int | None = None, config_file=N
         p = config.parallelism
         world_size = (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
                       * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-    return build_job_plan(config, world_size)
+    return build_job_plan(config, world_size, check_memory=check_memory)

@@ -53,13 +53,15 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
     if writer:
         folder.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
-    names = {k: file for k in tensors} if writer else {}
+    # name -> (file, bytes) of what this rank wrote; the index lists every pipeline rank's tensors.
+    written = {k: (file, t.numel() * t.element_size()) for k, t in tensors.items()} if writer else {}
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, names)
-        names = {k: v for part in gathered for k, v in part.items()}
+        dist.all_gather_object(gathered, written)
+        written = {k: v for part in gathered for k, v in part.items()}
+    names = {k: f for k, (f, _) in written.items()}
     if not dist.is_initialized() or dist.get_rank() == 0:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        total = sum(size for _, size in written.values())
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(names.items()))}, indent=2))
         (folder / "config.json").write_text(json.dumps(hf.config(args, dtype), indent=2))
         logger.info("Hugging Face export written: %s", folder)

@@ -10,6 +10,7 @@ import gc
 import logging
 import math
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from trainer.checkpoint import Checkpointer
 from trainer.config import JobConfig, to_toml
 from trainer.data import PackedBatchLoader, build_tokenizer, load_documents
 from trainer.env import init_determinism, init_device, init_logging
-from trainer.errors import TrainingDiverged
+from trainer.errors import TrainingDiverged, UserError
 from trainer.loss import count_label_tokens
 from trainer.metrics import MetricsLogger, StepStats
 from trainer.model_parts import ModelParts, build_model_parts, summed_loss
@@ -127,6 +128,7 @@ def main(config: JobConfig, *, observer: StepObserver | None = None) -> TrainRes
     # and errors only, so the console shows one copy without choosing LOG_RANK.
     reporting = rank == plan.reporting_rank
     init_logging(logging.INFO if reporting else logging.WARNING)
+    prepare_folders(config)  # every rank, before any collective: a failure is the same everywhere
     device = init_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world_size > 1:
         init_distributed(device, config.comm.init_timeout_seconds)
@@ -136,6 +138,21 @@ def main(config: JobConfig, *, observer: StepObserver | None = None) -> TrainRes
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def prepare_folders(config: JobConfig) -> None:
+    """Create the dump folder (and the checkpoint folder) and check they can be written, so a bad
+    path fails at start with the key named instead of at the first save."""
+    folders = [("[job] dump_folder", Path(config.job.dump_folder))]
+    if config.checkpoint.enable:
+        folders.append(("[checkpoint] folder", Path(config.job.dump_folder) / config.checkpoint.folder))
+    for key, folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise UserError(f"{key}: cannot write to {folder}: {e.strerror or e}") from None
 
 
 def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Trainer:

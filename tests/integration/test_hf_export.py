@@ -58,8 +58,17 @@ def test_pipelined_export_writes_one_file_per_stage_rank(tmp_path):
             "--parallelism.pipeline_parallel_degree", "2", "--checkpoint.export_hf"]
     run_layout(2, args + ["--job.dump_folder", str(tmp_path)], tmp_path)
     folder = tmp_path / "checkpoint" / "hf-step-3"
-    files = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
     assert files == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    # total_size counts every file's tensors, not one pipeline rank's
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(str(folder / file), "pt") as f:
+            total += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert index["metadata"]["total_size"] == total
     ours = our_model(PARITY + ["--model.overrides.n_layers", "4"], seed=5)
     load_hf_([ours], SPEC, ours.args, folder)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), torch_dtype=torch.float32).eval()

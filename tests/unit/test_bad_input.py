@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_MODEL, load_plan
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
 from trainer.optim import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,3 +111,45 @@ def test_entry_point_prints_one_line_for_a_model_error():
     proc = run_cli([sys.executable, "train.py", *TINY_MODEL, O + "n_kv_heads", "3", "--print-config"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "error: [model.overrides] n_kv_heads=3: must divide n_heads=4 (grouped-query attention)"
+
+
+def test_folders_that_cannot_hold_the_run_are_named(tmp_path):
+    from trainer.config import load_config
+    from trainer.train import prepare_folders
+
+    with pytest.raises(ConfigError, match=r"\[job\] dump_folder: must not be empty"):
+        load_config(overrides=["--job.dump_folder", ""])
+    afile = tmp_path / "a_file"
+    afile.write_text("x")
+    with pytest.raises(ConfigError, match=r"\[job\] dump_folder: .*a_file exists and is not a folder"):
+        load_config(overrides=["--job.dump_folder", str(afile)])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint").write_text("x")
+    with pytest.raises(ConfigError, match=r"\[checkpoint\] folder: .*checkpoint exists and is not a folder"):
+        load_config(overrides=["--job.dump_folder", str(tmp_path / "run"), "--checkpoint.enable"])
+    # a folder that cannot be created (under a file): refused at start, before any collective
+    config = load_config(overrides=["--job.dump_folder", str(afile / "sub")])
+    with pytest.raises(UserError, match=r"\[job\] dump_folder: cannot write to .*a_file/sub"):
+        prepare_folders(config)
+
+
+def test_config_file_that_is_not_a_file():
+    from trainer.config import load_config
+
+    with pytest.raises(ConfigError, match=r"\[job\] config_file: not a regular file: /dev/null"):
+        load_config("/dev/null")
+
+
+def test_local_files_honour_the_split_key(tmp_path):
+    from trainer.config import load_config
+    from trainer.data import load_documents
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(10)))
+    whole = load_documents(load_config(overrides=["--training.dataset_path", str(data)]).training)
+    head = load_documents(load_config(overrides=["--training.dataset_path", str(data),
+                                                 "--training.dataloader.split", "train[:30%]"]).training)
+    assert len(whole) == 10 and [d["text"] for d in head] == ["document 0", "document 1", "document 2"]
+    with pytest.raises(UserError, match=r"\[training.dataloader\] split='validation': local files are one split"):
+        load_documents(load_config(overrides=["--training.dataset_path", str(data),
+                                              "--training.dataloader.split", "validation"]).training)

@@ -22,6 +22,7 @@ def validate_config(config: JobConfig) -> None:
     _check_checkpoint(config)
     _check_activation_checkpoint(config)
     _check_files(config)
+    _check_folders(config)
 
 
 def warmup_steps(lr_scheduler: LRScheduler, steps: int) -> int:
@@ -150,6 +151,21 @@ def _check_activation_checkpoint(config: JobConfig) -> None:
             f" pipeline_parallel_schedule={schedule}: zero-bubble schedules run backward in two passes and"
             " per-op selective checkpointing allows one; use mode = full, or selective_ac_option = an integer"
         )
+
+
+def _check_folders(config: JobConfig) -> None:
+    """Folder names that are empty or name an existing file (whether they can be created and
+    written is checked by every rank when the run starts)."""
+    checks = [("[job] dump_folder", config.job.dump_folder)]
+    if config.checkpoint.enable:
+        checks.append(("[checkpoint] folder", config.checkpoint.folder))
+    for key, name in checks:
+        if not name.strip():
+            raise ConfigError(f"{key}: must not be empty (use '.' for the current folder)")
+    for key, path in (("[job] dump_folder", Path(config.job.dump_folder)),
+                      ("[checkpoint] folder", Path(config.job.dump_folder) / config.checkpoint.folder)):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{key}: {path} exists and is not a folder")
 
 
 def _check_files(config: JobConfig) -> None:

@@ -43,7 +43,17 @@ def load_documents(training: Training) -> datasets.Dataset | datasets.IterableDa
         builder, files = _local_files(path)
         extra = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
-            ds = datasets.load_dataset(builder, data_files={"train": files}, split="train", **extra)
+            # Local files are one split named "train"; [training.dataloader] split may slice it
+            # ("train[:90%]", "train[90%:]") to hold part of it out.
+            ds = datasets.load_dataset(builder, data_files={"train": files}, split=opts.split, **extra)
+        except (ValueError, KeyError) as e:
+            if "split" not in str(e).lower():
+                raise UserError(f"[training] dataset_path: cannot read {path} as {builder}: {e}") from None
+            first = str(e).strip().splitlines()[0]
+            raise UserError(
+                f"[training.dataloader] split={opts.split!r}: local files are one split 'train' (slices like"
+                f" 'train[:90%]' work): {first[:200]}"
+            ) from None
         except Exception as e:  # pyarrow/json parse errors carry the detail
             raise UserError(f"[training] dataset_path: cannot read {path} as {builder}: {e}") from None
     elif training.dataset == BUNDLED:
