@@ -79,9 +79,11 @@ class Trainer:
 
 def train_step(
     parts: ModelParts, optimizers: ChunkOptimizers, microbatches, *, max_norm: float, autocast, step_context,
-    meshes: Meshes, on_grads: Callable[[], None] | None = None,
+    meshes: Meshes, on_grads: Callable[[], None] | None = None, progress: Callable[[], None] = lambda: None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm)."""
+    """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm).
+
+    ``progress`` is called after each microbatch (or pipeline schedule step) and each phase (the watchdog)."""
     summed: list[torch.Tensor] = []  # per-microbatch summed cross-entropy (last pipeline stage only)
     for inputs, labels in microbatches:
         with step_context():
@@ -94,6 +96,7 @@ def train_step(
             else:
                 summed += run_schedule(parts.schedule, inputs, labels, has_first=parts.has_first,
                                        has_last=parts.has_last)
+        progress()
     # Token-mean over the global batch: the gradients hold the summed loss of every microbatch;
     # FSDP/DDP averaged them over the dp and cp ranks. Dividing by the label tokens of the whole
     # step on all of them (times their number, undoing the average) gives one big batch's mean.
@@ -108,6 +111,7 @@ def train_step(
     pp_group = meshes.pp.get_group() if meshes.pp is not None else None
     grad_norm = clip_grad_norm_(parts.chunks.parameters(), max_norm, pp_group=pp_group,
                                 not_in_norm=parts.tied_duplicates())
+    progress()
     optimizers.step()
     optimizers.zero_grad()
     # This rank's share of the global mean; only ranks holding the last stage have one, so
@@ -231,7 +235,13 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                 run.parts, run.optimizers, microbatches, max_norm=config.training.max_norm, autocast=run.autocast,
                 step_context=run.step_context, meshes=run.meshes,
                 on_grads=None if observer is None else (lambda: observer.on_grads(step, run.parts)),  # noqa: B023
+                progress=watchdog.beat if watchdog is not None else (lambda: None),
             )
+            if step == start_step + 1 and run.parts.cp is not None and run.parts.cp.attention().calls == 0:
+                raise UserError(  # every rank of the job runs the same model: all stop here
+                    "[parallelism] context_parallel_degree: the model's attention does not call"
+                    " F.scaled_dot_product_attention, so its context-parallel ranks would not see each other's tokens"
+                )
             run.optimizers.lr_step()
             loss_value, norm_value = loss.item(), grad_norm.item()  # .item() waits for the device
             result.step_times.append(time.perf_counter() - start)
@@ -241,7 +251,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                 )
             if step == start_step + 1 and distributed:
                 set_train_timeout(config.comm.train_timeout_seconds)
-            if watchdog is not None:
+                watchdog.arm()
+            elif watchdog is not None:
                 watchdog.beat()
             result.losses.append(loss_value)
             result.grad_norms.append(norm_value)

@@ -24,7 +24,11 @@ class Watchdog:
         self._thread.start()
 
     def beat(self) -> None:
-        """Progress was made (a step ended); from the first beat on, the watchdog is armed."""
+        """Progress was made (a microbatch, a pipeline step, a phase of the step, a step)."""
+        self._last = time.monotonic()
+
+    def arm(self) -> None:
+        """Start watching (after the first step: set-up and warm-up are not bounded by the timeout)."""
         self._last = time.monotonic()
         self._armed = True
 

@@ -85,3 +85,11 @@ def test_a_position_offset_on_one_context_parallel_rank_is_caught(references, tm
     result = run_layout(2, LAYOUTS["CP2"][1], tmp_path, fault="cp_rope_offset")
     cmp = compare(result["tensors"], tensors)
     assert not cmp.ok and any("attention.wq.weight" in f for f in cmp.failures)
+
+
+@pytest.mark.slow
+def test_context_parallel_refuses_attention_it_cannot_see(tmp_path):
+    """A model whose attention bypasses F.scaled_dot_product_attention would silently attend only to
+    each rank's own tokens under CP: the job stops after its first step with one line instead."""
+    with pytest.raises(AssertionError, match="does not call F.scaled_dot_product_attention"):
+        run_layout(2, LAYOUTS["CP2"][1], tmp_path, fault="attention_without_sdpa")

@@ -32,6 +32,22 @@ def inject_fault(name: str) -> None:
             real(model, positions - 1 if int(positions[0]) > 0 else positions, buffers)
 
         model_parts.apply_cp = off_by_one
+    elif name == "attention_without_sdpa":
+        import types
+
+        import torch
+        import torch.nn.functional as F
+
+        import trainer.models.llama.model as llama
+
+        def by_hand(q, k, v, is_causal=False, enable_gqa=False, **_):  # softmax(q k^T / sqrt(d)) v, causal
+            if enable_gqa:
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+        llama.F = types.SimpleNamespace(**{**vars(F), "scaled_dot_product_attention": by_hand})
     elif name:
         raise ValueError(f"unknown PARITY_FAULT {name!r}")
 

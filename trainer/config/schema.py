@@ -253,7 +253,7 @@ class Comm:
     init_timeout_seconds: Annotated[int, Timeout] = 300
     """Timeout for process-group set-up and the first collectives, in seconds."""
     train_timeout_seconds: Annotated[int, Timeout] = 100
-    """Timeout for collectives once training runs, in seconds."""
+    """Once training runs: timeout of every collective, and of the watchdog that ends a rank making no progress (no microbatch or pipeline step done) for this long, in seconds."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -164,7 +164,11 @@ def _check_folders(config: JobConfig) -> None:
             raise ConfigError(f"{key}: must not be empty (use '.' for the current folder)")
     for key, path in (("[job] dump_folder", Path(config.job.dump_folder)),
                       ("[checkpoint] folder", Path(config.job.dump_folder) / config.checkpoint.folder)):
-        if path.exists() and not path.is_dir():
+        try:
+            is_file = path.exists() and not path.is_dir()
+        except OSError:  # e.g. under a folder this user cannot read: reported when the run creates it
+            continue
+        if is_file:
             raise ConfigError(f"{key}: {path} exists and is not a folder")
 
 
@@ -175,5 +179,9 @@ def _check_files(config: JobConfig) -> None:
         ("[parallelism] pipeline_parallel_schedule_csv", config.parallelism.pipeline_parallel_schedule_csv),
         ("[checkpoint] initial_load_path", config.checkpoint.initial_load_path),
     ):
-        if path and not Path(path).exists():
+        try:
+            found = not path or Path(path).exists()
+        except OSError as e:
+            raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
+        if not found:
             raise ConfigError(f"{key}: file not found: {path}")

@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
+from trainer.errors import UserError
+
 # torch 2.13 renamed the autograd-aware all-gather (the old name warns); 2.11 has only the old one.
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
@@ -69,6 +71,8 @@ class ContextParallelAttention(TorchFunctionMode):
             prefix = int(run[-1]) + 1
             self.runs.append((a, b, prefix, run[:, None] >= torch.arange(prefix)[None, :]))
         self._masks: dict = {}
+        self.calls = 0
+        """Attention calls rewritten so far: 0 after a forward means the model bypassed F.scaled_dot_product_attention."""
 
     def _mask(self, i: int, like: torch.Tensor) -> torch.Tensor:
         """Run ``i``'s mask as an additive float mask in ``like``'s dtype, made once and shared by every
@@ -87,7 +91,11 @@ class ContextParallelAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         q, k, v = args[:3]  # (batch, heads, local seq, head_dim)
         if len(args) > 3 or kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
-            raise NotImplementedError("context parallelism supports causal attention without an explicit mask")
+            raise UserError(
+                "[parallelism] context_parallel_degree: the model calls F.scaled_dot_product_attention with a mask or"
+                " without is_causal=True; context parallelism supports causal attention without an explicit mask"
+            )
+        self.calls += 1
         order = self.order.to(q.device)
         k = _all_gather(k.contiguous(), gather_dim=2, group=self.group).index_select(2, order)
         v = _all_gather(v.contiguous(), gather_dim=2, group=self.group).index_select(2, order)

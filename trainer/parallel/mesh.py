@@ -66,11 +66,6 @@ class Meshes:
         return self._sub("pp")
 
     @property
-    def dp(self) -> DeviceMesh | None:
-        """(dp_replicate, dp_shard): data loading, loss and token-count reduction."""
-        return self._sub("dp_replicate", "dp_shard")
-
-    @property
     def cp(self) -> DeviceMesh | None:
         return self._sub("cp")
 
