@@ -153,8 +153,7 @@ def prepare_folders(config: JobConfig) -> None:
     for key, folder in folders:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
+            tempfile.TemporaryFile(dir=folder).close()  # can this rank create files there?
         except OSError as e:
             raise UserError(f"{key}: cannot write to {folder}: {e.strerror or e}") from None
 
