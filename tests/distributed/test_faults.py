@@ -12,12 +12,18 @@ TIMEOUT = 5  # [comm] train_timeout_seconds
 GRACE = 45  # torchrun stops the other ranks with SIGTERM and kills them 30 s later; plus start-up
 
 
+LAYOUTS = {
+    "PP2": ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"],
+    "FSDP2": ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("fault", ["die", "hang"])
-def test_a_dead_or_hung_pipeline_rank_ends_the_job(fault, tmp_path):
+def test_a_dead_or_hung_rank_ends_the_job(fault, layout, tmp_path):
     args = [str(REPO / "tests" / "distributed" / "fault_worker.py"), *PARITY, "--model.overrides.n_layers", "4",
-            "--training.steps", "50", "--training.local_batch_size", "8",
-            "--parallelism.pipeline_parallel_degree", "2", "--comm.train_timeout_seconds", str(TIMEOUT),
+            "--training.steps", "50", *LAYOUTS[layout], "--comm.train_timeout_seconds", str(TIMEOUT),
             "--job.dump_folder", str(tmp_path)]
     start = time.monotonic()
     proc = torchrun(2, args, tmp_path, timeout=300, env={"FAULT": fault})
