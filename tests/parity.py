@@ -59,10 +59,11 @@ class Recorder:
 
 def tied_aliases(config) -> dict[str, str]:
     """{alias: canonical} names of the job's tied weights (empty when untied)."""
-    from trainer.models import get_model_spec, import_model_modules
+    from trainer.models import get_model_spec, import_model_modules, resolve_model_args
 
     import_model_modules(config.model.modules)
-    return get_model_spec(config.model.name).tied_weights if config.model.tie_embeddings else {}
+    spec = get_model_spec(config.model.name)
+    return spec.tied_aliases(resolve_model_args(spec, config.model))
 
 
 def record(config) -> tuple[object, Tensors]:
