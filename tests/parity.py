@@ -148,6 +148,10 @@ def assert_parity(case: str, result: dict, reference, tensors_ref: Tensors, rtol
     exact = [sum(t[0].double().norm().item() ** 2 for k, t in tensors_ref.items() if _group(k) == f"grad/{s}") ** 0.5
              for s in steps]
     assert result["grad_norms"] == pytest.approx(exact, rel=1e-6), case
+    # Validation loss after steps (PARITY enables [validation]): the same held-out windows, same weights.
+    evals = {int(step): loss for step, loss in result.get("eval_losses", {}).items()}
+    assert sorted(evals) == sorted(reference.eval_losses), case
+    assert evals == pytest.approx(reference.eval_losses, rel=rtol), case
     cmp = compare(result["tensors"], tensors_ref, rtol)
     REPORT.append(f"{case:<34} worst {cmp.worst_rel:.2e}  {cmp.worst_key}")
     assert cmp.ok, f"{case}: {len(cmp.failures)} tensors differ:\n" + "\n".join(cmp.failures[:20])

@@ -1,6 +1,7 @@
 """Console and TensorBoard metrics: loss, grad norm, lr, throughput, MFU, memory."""
 
 import logging
+import math
 import resource
 import time
 from dataclasses import dataclass
@@ -120,6 +121,23 @@ class MetricsLogger:
                 for name, value in values.items():
                     self.writer.add_scalar(name, value, stats.step)
         return values
+
+    def log_validation(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        self._window_start += seconds  # evaluation time is not training throughput
+        if not self.enabled:
+            return
+        perplexity = math.exp(min(loss, 700.0))
+        logger.info("validate step %5d  loss %8.4f  perplexity %10.3f  (%d tokens, %.2fs)",
+                    step, loss, perplexity, tokens, seconds)
+        if self.writer is not None:
+            self.writer.add_scalar("validation/loss", loss, step)
+            self.writer.add_scalar("validation/perplexity", perplexity, step)
+
+    def log_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
+        """TensorBoard scalars ``prefix/<name>`` (e.g. each dataset's share of the windows so far)."""
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(f"{prefix}/{name}", value, step)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -24,9 +24,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.checkpoint import Checkpointer
 from trainer.config import JobConfig, to_toml
-from trainer.data import PackedBatchLoader, build_tokenizer, load_documents
+from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
 from trainer.env import init_determinism, init_device, init_logging
 from trainer.errors import TrainingDiverged, UserError
+from trainer.evaluate import Evaluator
 from trainer.loss import count_label_tokens
 from trainer.metrics import MetricsLogger, StepStats
 from trainer.model_parts import ModelParts, build_model_parts, summed_loss
@@ -48,6 +49,7 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)  # seconds, data loading included
+    eval_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
 
 
 class StepObserver(Protocol):
@@ -69,7 +71,8 @@ class Trainer:
     device: torch.device
     parts: ModelParts
     optimizers: ChunkOptimizers
-    loader: PackedBatchLoader
+    loader: WindowLoader | PackedBatchLoader
+    evaluator: Evaluator | None
     metrics: MetricsLogger
     checkpointer: Checkpointer
     autocast: Callable[[], contextlib.AbstractContextManager]
@@ -166,16 +169,15 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
     logger.info("job: %s | %s", config.job.description, dims.describe())
     logger.info("model %s %s: %.2fM parameters, %.3g training FLOPs/token",
                 config.model.name, config.model.flavor, plan.num_params / 1e6, plan.flops_per_token)
-    loader = PackedBatchLoader(
-        load_documents(config.training),
-        build_tokenizer(config.model, plan.vocab_size),
-        text_column=config.training.dataloader.text_column,
-        seq_len=config.training.seq_len,
-        local_batch_size=config.training.local_batch_size,
-        accum_steps=plan.accum_steps,
-        dp_rank=meshes.dp_rank,
-        dp_degree=dims.dp,
-    )
+    tokenizer = build_tokenizer(config.model, plan.vocab_size)
+    data_args = dict(dump_folder=config.job.dump_folder, accum_steps=plan.accum_steps, dp_rank=meshes.dp_rank,
+                     dp_degree=dims.dp, wait_seconds=config.comm.init_timeout_seconds)
+    loader = build_train_loader(config.training, tokenizer, seed=config.debug.seed, **data_args)
+    evaluator = None
+    if config.validation.enable:
+        eval_loader, num_batches = build_eval_loader(config.validation, config.training, tokenizer, **data_args)
+        evaluator = Evaluator(eval_loader, num_batches, config.validation.freq)
+    check_same_data(meshes, loader.fingerprint + (evaluator.loader.fingerprint if evaluator else ""))
     parts = build_model_parts(plan, meshes, device)
     optimizers = ChunkOptimizers(list(parts.chunks), config.optimizer, config.lr_scheduler, config.training.steps)
     dtype = plan.compute_dtype(device)
@@ -209,7 +211,25 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         loader=loader, spec=plan.spec, model_args=plan.model_args, pp_rank=pp_rank, pp=dims.pp,
         hf_writer=not dist.is_initialized() or dist.get_rank() % (dims.world_size // dims.pp) == 0,
     )
-    return Trainer(plan, meshes, device, parts, optimizers, loader, metrics, checkpointer, autocast, step_context)
+    return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
+                   step_context)
+
+
+def check_same_data(meshes: Meshes, fingerprint: str) -> None:
+    """Every rank must have opened the same datasets with the same tokenizer (TP/PP/CP peers read the same
+    windows; data-parallel ranks read slices of one global order): compare a digest of what each opened."""
+    if meshes.world is None:
+        return
+    import hashlib
+
+    digest = int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:7], "little")
+    mine = torch.tensor([digest], dtype=torch.long, device=meshes.world.device_type)
+    everyone = torch.empty(dist.get_world_size(), dtype=torch.long, device=mine.device)
+    dist.all_gather_into_tensor(everyone, mine)
+    differ = [r for r, d in enumerate(everyone.tolist()) if d != everyone[0].item()]
+    if differ:
+        raise UserError(f"[training] dataset: ranks {differ} opened other data or another tokenizer than rank 0"
+                        " (different files at the same path on different nodes?); every rank must see the same")
 
 
 def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResult:
@@ -258,6 +278,14 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             result.lrs.append(lr)
             tokens = sum(x.numel() for x, _ in microbatches) * run.plan.dims.cp  # the replica's tokens
             run.metrics.log(StepStats(step, loss_value, norm_value, lr), tokens)
+            if run.evaluator is not None and run.evaluator.should_run(step, last_step):
+                evaluation = run.evaluator.run(
+                    run.parts, run.meshes, run.device, autocast=run.autocast, step_context=run.step_context,
+                    progress=watchdog.beat if watchdog is not None else (lambda: None))
+                result.eval_losses[step] = evaluation.loss
+                run.metrics.log_validation(step, evaluation.loss, evaluation.tokens, evaluation.seconds)
+            if run.metrics.should_log(step) and len(shares := run.loader.shares()) > 1:
+                run.metrics.log_scalars("data_share", shares, step)
             with watchdog.paused() if watchdog is not None else contextlib.nullcontext():
                 run.checkpointer.maybe_save(step, last=step == last_step, final=step == config.training.steps)
         with watchdog.paused() if watchdog is not None else contextlib.nullcontext():
@@ -269,5 +297,6 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             watchdog.stop()
         gc.enable()
         run.metrics.close()
+        run.loader.close()
     logger.info("training %s after step %d", "finished" if last_step == config.training.steps else "stopped", last_step)
     return result

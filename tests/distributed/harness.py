@@ -28,6 +28,8 @@ PARITY = [
     "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.min_lr_factor", "0.1", "--optimizer.lr", "3e-3",
     "--optimizer.eps", "1e-4",
     "--metrics.no-enable_tensorboard", "--debug.deterministic", "--training.mixed_precision_param", "float32",
+    # Evaluation after every step on one global batch of held-out text (compared like the losses).
+    "--validation.enable", "--validation.split", "train[90%:]", "--validation.freq", "1", "--validation.steps", "1",
 ]
 
 

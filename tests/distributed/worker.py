@@ -61,4 +61,5 @@ if __name__ == "__main__":
     rank = int(os.environ.get("RANK", "0"))
     torch.save(recorder.tensors, f"{out}.rank{rank}.pt")
     if rank == 0:
-        Path(out).write_text(json.dumps({"losses": result.losses, "grad_norms": result.grad_norms}))
+        Path(out).write_text(json.dumps({"losses": result.losses, "grad_norms": result.grad_norms,
+                                               "eval_losses": result.eval_losses}))

@@ -143,13 +143,17 @@ def test_config_file_that_is_not_a_file():
 def test_local_files_honour_the_split_key(tmp_path):
     from trainer.config import load_config
     from trainer.data import load_documents
+    from trainer.data.sources import training_source
+
+    def docs(training):
+        return load_documents(training_source(training), training.dataloader)
 
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(10)))
-    whole = load_documents(load_config(overrides=["--training.dataset_path", str(data)]).training)
-    head = load_documents(load_config(overrides=["--training.dataset_path", str(data),
+    whole = docs(load_config(overrides=["--training.dataset_path", str(data)]).training)
+    head = docs(load_config(overrides=["--training.dataset_path", str(data),
                                                  "--training.dataloader.split", "train[:30%]"]).training)
     assert len(whole) == 10 and [d["text"] for d in head] == ["document 0", "document 1", "document 2"]
     with pytest.raises(UserError, match=r"\[training.dataloader\] split='validation': local files are one split"):
-        load_documents(load_config(overrides=["--training.dataset_path", str(data),
+        docs(load_config(overrides=["--training.dataset_path", str(data),
                                               "--training.dataloader.split", "validation"]).training)

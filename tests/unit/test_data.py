@@ -10,6 +10,7 @@ import torch
 
 from trainer.config import load_config
 from trainer.data import PackedBatchLoader, Tokenizer, build_tokenizer, load_documents
+from trainer.data.sources import training_source
 from trainer.errors import UserError
 
 DOCS = ["alpha beta gamma", "delta", "epsilon zeta eta theta iota kappa", "lambda mu", "nu xi omicron pi rho"]
@@ -129,6 +130,10 @@ def test_empty_and_non_text_datasets(tok):
         ld.next_step()
 
 
+def docs_args(t):
+    return training_source(t), t.dataloader
+
+
 def training(tmp_path=None, **kw):
     args = []
     for k, v in kw.items():
@@ -137,7 +142,7 @@ def training(tmp_path=None, **kw):
 
 
 def test_bundled_default_is_real_text():
-    ds = load_documents(training())
+    ds = load_documents(*docs_args(training()))
     assert len(ds) > 50 and sum(len(t) for t in ds["text"]) > 300_000
 
 
@@ -152,27 +157,27 @@ def test_local_files(tmp_path, suffix):
         path.write_text(json.dumps([{"text": d} for d in DOCS]))
     else:
         pq.write_table(pa.table({"text": DOCS}), path)
-    assert list(load_documents(training(dataset_path=path))["text"]) == DOCS
+    assert list(load_documents(*docs_args(training(dataset_path=path)))["text"]) == DOCS
 
 
 def test_local_folder_and_errors(tmp_path):
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": "x"}))
     (tmp_path / "b.jsonl").write_text(json.dumps({"body": "y"}))
     t = load_config(overrides=["--training.dataset_path", str(tmp_path), "--training.dataloader.text_column", "body"])
-    assert list(load_documents(t.training)["body"]) == ["x", "y"]
+    assert list(load_documents(*docs_args(t.training))["body"]) == ["x", "y"]
     with pytest.raises(UserError, match=r"text_column: 'text' is not a column of the dataset \(columns: body\)"):
-        load_documents(training(dataset_path=tmp_path))
+        load_documents(*docs_args(training(dataset_path=tmp_path)))
     (tmp_path / "c.txt").write_text("z")
     with pytest.raises(UserError, match="mixes file types"):
-        load_documents(training(dataset_path=tmp_path))
+        load_documents(*docs_args(training(dataset_path=tmp_path)))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(UserError, match="no .txt, .json, .jsonl, .parquet files in folder"):
-        load_documents(training(dataset_path=empty))
+        load_documents(*docs_args(training(dataset_path=empty)))
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(UserError, match="cannot read .*bad.json as json"):
-        load_documents(training(dataset_path=bad))
+        load_documents(*docs_args(training(dataset_path=bad)))
 
 
 def test_hub_path_streams_from_a_local_dataset_repo(tmp_path):
@@ -180,7 +185,7 @@ def test_hub_path_streams_from_a_local_dataset_repo(tmp_path):
     repo = tmp_path / "my_dataset"
     (repo / "data").mkdir(parents=True)
     (repo / "data" / "train-00000.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in DOCS))
-    ds = load_documents(training(dataset=str(repo)))
+    ds = load_documents(*docs_args(training(dataset=str(repo))))
     assert isinstance(ds, datasets.IterableDataset)
     assert [row["text"] for row in ds] == DOCS
     ld = PackedBatchLoader(ds, Tokenizer(max_ranks=300), text_column="text", seq_len=7, local_batch_size=2, accum_steps=1)
@@ -194,6 +199,6 @@ def test_hub_path_streams_from_a_local_dataset_repo(tmp_path):
 
 def test_unknown_hub_dataset_is_one_clear_line():
     with pytest.raises(UserError) as info:
-        load_documents(training(dataset="no-such-org/no-such-dataset-xyz"))
+        load_documents(*docs_args(training(dataset="no-such-org/no-such-dataset-xyz")))
     message = str(info.value)
     assert "[training] dataset: cannot load 'no-such-org/no-such-dataset-xyz'" in message and "\n" not in message

@@ -71,7 +71,7 @@ class Model:
     flavor: str = "debugmodel"
     """Size preset of the family (llama3: debugmodel, 270M, 1B, 3B, 8B, 70B, 405B)."""
     tokenizer_path: str = ""
-    """tiktoken BPE file (e.g. Llama 3's tokenizer.model); empty = bundled cl100k_base."""
+    """tiktoken BPE file (e.g. Llama 3's tokenizer.model) or Hugging Face tokenizer.json; empty = bundled cl100k_base."""
     tokenizer_vocab_size: Annotated[int, NonNegative] = 0
     """Keep only the first N BPE ranks of the tokenizer file; 0 = as many as the model vocab holds."""
     tie_embeddings: bool = False
@@ -121,7 +121,13 @@ class DataLoader:
     subset: str = ""
     """Hugging Face dataset configuration name (e.g. 'en' for allenai/c4); empty = none."""
     streaming: bool = True
-    """Stream hub datasets instead of downloading them whole (local files are always read directly)."""
+    """Stream hub datasets instead of downloading and preparing them (streamed text is tokenized by every rank; see docs/training.md)."""
+    shuffle: bool = False
+    """Shuffle the windows of each epoch (a keyed permutation of window indices; exact on resume); off = source order."""
+    prefetch: bool = True
+    """Read the next step's windows in a background thread while the current step runs."""
+    cache_folder: str = "data_cache"
+    """Where raw text (bundled, local files, downloaded hub data) is tokenized into shards before training, relative to the dump folder."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +135,9 @@ class Training:
     dataset: str = "python_docs"
     """Dataset: 'python_docs' (bundled, offline) or a Hugging Face hub name; ignored when dataset_path is set."""
     dataset_path: str = ""
-    """Local .txt/.json/.jsonl/.parquet file, or a folder of them; overrides dataset."""
+    """Prepared token shards (python -m trainer.data.prepare), or local .txt/.json/.jsonl/.parquet file(s); overrides dataset."""
+    dataset_mix: dict = field(default_factory=dict)
+    """Several datasets with weights, e.g. {"data/web" = 3, "data/code" = 1}: keys as dataset_path (or a dataset name), weights > 0; replaces dataset and dataset_path."""
     local_batch_size: Annotated[int, Positive] = 8
     """Sequences per forward/backward on one data-parallel rank."""
     global_batch_size: Annotated[int, Range(gt=0, also=(-1,))] = -1
@@ -190,6 +198,22 @@ class Parallelism:
     """Transformer layers per (virtual) stage; derives the number of stages per rank."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered FSDP parameters after forward: default = yes except for the last block."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Validation:
+    enable: bool = False
+    """Evaluate the loss on held-out data during training."""
+    dataset: str = "python_docs"
+    """Validation dataset, as [training] dataset; ignored when dataset_path is set."""
+    dataset_path: str = ""
+    """Prepared token shards or local text files to validate on, as [training] dataset_path."""
+    split: str = "train"
+    """Split (or slice, e.g. 'train[90%:]') of the validation dataset."""
+    freq: Annotated[int, Positive] = 500
+    """Evaluate every N steps (and after the last step)."""
+    steps: Annotated[int, Range(gt=0, also=(-1,))] = -1
+    """Global batches per evaluation (of the training batch shape); -1 = every whole batch of the validation set."""
 
 
 # Parts of a checkpoint that [checkpoint] exclude_from_loading can name.
@@ -272,6 +296,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    validation: Validation = field(default_factory=Validation)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)

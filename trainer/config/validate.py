@@ -23,6 +23,7 @@ def validate_config(config: JobConfig) -> None:
     _check_activation_checkpoint(config)
     _check_files(config)
     _check_folders(config)
+    _check_data(config)
 
 
 def warmup_steps(lr_scheduler: LRScheduler, steps: int) -> int:
@@ -175,6 +176,7 @@ def _check_folders(config: JobConfig) -> None:
 def _check_files(config: JobConfig) -> None:
     for key, path in (
         ("[training] dataset_path", config.training.dataset_path),
+        ("[validation] dataset_path", config.validation.dataset_path if config.validation.enable else ""),
         ("[model] tokenizer_path", config.model.tokenizer_path),
         ("[parallelism] pipeline_parallel_schedule_csv", config.parallelism.pipeline_parallel_schedule_csv),
         ("[checkpoint] initial_load_path", config.checkpoint.initial_load_path),
@@ -185,3 +187,21 @@ def _check_files(config: JobConfig) -> None:
             raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
         if not found:
             raise ConfigError(f"{key}: file not found: {path}")
+
+
+def _check_data(config: JobConfig) -> None:
+    """Dataset mixture weights; what validation needs of the training shape."""
+    t = config.training
+    for name, weight in t.dataset_mix.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"[training.dataset_mix] {name!r}: weight {weight!r} is not a number")
+        if not weight > 0 or weight == float("inf"):
+            raise ConfigError(f"[training.dataset_mix] {name!r}: weight {weight} must be a finite number > 0")
+        if not name.strip():
+            raise ConfigError("[training.dataset_mix]: an empty dataset name")
+    if t.dataset_mix and t.dataset_path:
+        logger.warning("[training] dataset_path is ignored: [training.dataset_mix] names the datasets")
+    if t.dataset_mix and t.dataloader.streaming and any(not Path(n).exists() and n != "python_docs"
+                                                          for n in t.dataset_mix):
+        raise ConfigError("[training.dataset_mix] mixes prepared or downloaded datasets only: set"
+                          " [training.dataloader] streaming = false for hub datasets in the mix")

