@@ -25,6 +25,20 @@ def _stage_modules(plan: JobPlan, stage) -> str:
     return ", ".join(names)
 
 
+def _data_line(config) -> str:
+    t = config.training
+    opts = t.dataloader
+    if t.dataset_mix:
+        source = "mix " + ", ".join(f"{name} x{weight:g}" for name, weight in t.dataset_mix.items())
+    else:
+        source = t.dataset_path or t.dataset
+    streamed = not t.dataset_mix and not t.dataset_path and t.dataset != "python_docs" and opts.streaming
+    how = ("streamed: every rank tokenizes the global batch" if streamed else
+           f"token shards, each rank reads its windows of {t.seq_len + 1} tokens"
+           f"{', shuffled' if opts.shuffle else ''}{', read ahead' if opts.prefetch else ''}")
+    return f"Data: {source} (split {opts.split!r}); {how}"
+
+
 def describe_plan(plan: JobPlan) -> str:
     """The plan as text; also writes the schedule timeline into the dump folder when pipelined."""
     config, dims, spec = plan.config, plan.dims, plan.spec
@@ -38,8 +52,14 @@ def describe_plan(plan: JobPlan) -> str:
         "Mesh: (" + ", ".join(f"{n}={getattr(dims, n)}" for n in DIM_NAMES) + ")",
         f"Batch: global {plan.global_batch_size} sequences = local {t.local_batch_size}"
         f" x data-parallel {dims.dp} x accumulation {plan.accum_steps}",
+        _data_line(config),
         f"Metrics reported by rank {plan.reporting_rank}",
     ]
+    if config.validation.enable:
+        v = config.validation
+        what = "the whole set" if v.steps == -1 else f"{v.steps} global batches"
+        lines.append(f"Validation: {v.dataset_path or v.dataset} split {v.split!r}, {what} every {v.freq} steps"
+                     " and after the last, forward only")
     if dims.cp > 1:
         lines.append(
             f"Context parallel: each {t.seq_len}-token sequence split over {dims.cp} ranks (chunks i and"

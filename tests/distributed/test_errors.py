@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.distributed.harness import REPO, torchrun
+from tests.distributed.harness import PARITY, REPO, WORKER, torchrun
 
 CASES = [
     (["--parallelism.tensor_parallel_degree", "4"], "tp 4 * pp 1 = 4 does not divide WORLD_SIZE 2"),
@@ -27,3 +27,15 @@ def test_every_rank_reports_the_same_error(tmp_path, args, message):
     assert "Traceback" not in output
     # The launcher's summary names the rank that failed first and its status.
     assert re.search(r"error: rank [01] failed first \(exit status 2\); .*see rank [01]'s output above", output)
+
+
+@pytest.mark.slow
+def test_ranks_that_opened_different_data_stop_with_one_line(tmp_path):
+    """The same-data check at start: rank 1 reports another dataset digest (tests/distributed/worker.py)."""
+    args = [str(WORKER), str(tmp_path / "out.json"), *PARITY, "--job.dump_folder", str(tmp_path / "dump"),
+            "--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]
+    proc = torchrun(2, args, tmp_path, timeout=120, env={"PARITY_FAULT": "other_data_on_rank1"})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    assert "error: [training] dataset: ranks [1] opened other data or another tokenizer than rank 0" in output
+    assert "Traceback" not in output

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 
 from tests.parity import Recorder, tied_aliases  # noqa: E402
 from trainer.config import load_config  # noqa: E402
+from trainer.errors import UserError  # noqa: E402
 from trainer.train import main  # noqa: E402
 
 
@@ -48,6 +49,11 @@ def inject_fault(name: str) -> None:
             return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
         llama.F = types.SimpleNamespace(**{**vars(F), "scaled_dot_product_attention": by_hand})
+    elif name == "other_data_on_rank1":  # as if rank 1's node held other files at the same path
+        if os.environ.get("RANK") == "1":
+            import trainer.data.loader as loader
+
+            loader.WindowLoader.fingerprint = property(lambda self: "shards=something-else")
     elif name:
         raise ValueError(f"unknown PARITY_FAULT {name!r}")
 
@@ -57,7 +63,11 @@ if __name__ == "__main__":
     out, overrides = sys.argv[1], sys.argv[2:]
     config = load_config(overrides=overrides)
     recorder = Recorder(tied_aliases(config))
-    result = main(config, observer=recorder)
+    try:
+        result = main(config, observer=recorder)
+    except UserError as e:  # as train.py reports it
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     rank = int(os.environ.get("RANK", "0"))
     torch.save(recorder.tensors, f"{out}.rank{rank}.pt")
     if rank == 0:

@@ -1,6 +1,6 @@
 """The debug model's first steps on CPU against a recorded golden file.
 
-Any change to the numerics anywhere (model, data, tokenizer, loss, optimizer, init) moves these
+Any change to the numerics anywhere (model, data, tokenizer, loss, optimizer, init, evaluation) moves these
 numbers; the test makes that visible, and the change is acknowledged by re-recording the file
 with a reason:
 
@@ -37,6 +37,8 @@ def test_debug_model_matches_the_golden_file(tmp_path):
     hint = "numerics changed; if intended, re-record: python -m tests.integration.test_golden --reason '...'"
     assert result.losses == pytest.approx(golden["losses"], rel=REL), hint
     assert result.grad_norms == pytest.approx(golden["grad_norms"], rel=REL), hint
+    # [validation] in the debug config: evaluated after the last step on the held-out 10%.
+    assert {str(k): v for k, v in result.eval_losses.items()} == pytest.approx(golden["eval_losses"], rel=REL), hint
     # The LR needs no recording: 2 warm-up steps to 8e-4, then linear decay to 0 at step 5.
     assert result.lrs == pytest.approx([8e-4 * f for f in (1 / 2, 1, 2 / 3, 1 / 3, 0)], rel=1e-12)
 
@@ -54,6 +56,6 @@ if __name__ == "__main__":
     GOLDEN.write_text(json.dumps({
         "config": "configs/debug_model.toml", "overrides": OVERRIDES, "reason": reason,
         "recorded_with": f"torch {torch.__version__}, {platform.machine()}, python {platform.python_version()}",
-        "losses": result.losses, "grad_norms": result.grad_norms,
+        "losses": result.losses, "grad_norms": result.grad_norms, "eval_losses": result.eval_losses,
     }, indent=1) + "\n")
     print(f"wrote {GOLDEN}", file=sys.stderr)
