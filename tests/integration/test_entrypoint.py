@@ -92,8 +92,12 @@ def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, re
         env={**ENV, "NGPU": "2"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    step_lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "  loss " in line]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    step_lines = [line for line in lines if "  loss " in line and "validate step" not in line]
     assert len(step_lines) == 3 and all(line.startswith(f"[rank{reporter}]:") for line in step_lines), step_lines
+    # the debug config's [validation] runs after the last step; its line comes from the same rank
+    eval_lines = [line for line in lines if "validate step" in line]
+    assert len(eval_lines) == 1 and eval_lines[0].startswith(f"[rank{reporter}]:"), eval_lines
     events = EventAccumulator(str(dump / "tb"))
     events.Reload()
     assert len(events.Scalars("loss")) == 3
