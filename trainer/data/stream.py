@@ -69,7 +69,7 @@ class PackedBatchLoader:
         return {}
 
     def close(self) -> None:
-        pass
+        """Nothing to stop: this loader reads on the training thread (no prefetch)."""
 
     # -- position ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
