@@ -51,6 +51,8 @@ BAD = [
     # pipeline keys are checked even where a pipeline degree of 1 ignores them
     (["--parallelism.pipeline_parallel_split_points", "layers.2,,layers.4"], "[parallelism] pipeline_parallel_split_points: got 'layers.2,,layers.4': an empty entry"),
     (["--parallelism.pipeline_parallel_schedule", "ZeroBubbleV"], "did you mean 'ZBVZeroBubble'?"),
+    # bytes from the shell that are not UTF-8 text (the resolved config could not be written)
+    (["--job.description", "caf\udce9"], "'--job.description': the value is not valid UTF-8 text"),
     # a feature the family does not have, refused before the run rather than after it
     (GPT + ["--checkpoint.export_hf"], "[checkpoint] export_hf: model family tiny_gpt has no Hugging Face adapter"),
 ]

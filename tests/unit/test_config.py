@@ -137,6 +137,77 @@ def test_resolved_config_round_trips(tmp_path):
     assert dataclasses.replace(reloaded, job=config.job) == config
 
 
+# -- round trip over generated configs --------------------------------------------------------
+
+# Any character but lone surrogates (not Unicode text), with the ones TOML must escape made common.
+TRICKY = st.sampled_from(['"', "\\", "'", "\x00", "\x1f", "\x7f", "\n", "\r", "\t", "\b", ".", " ", "=", "#", "\u2028"])
+ANY_TEXT = st.text(alphabet=st.one_of(TRICKY, st.characters(exclude_categories=["Cs"])), max_size=12)
+SCALAR = st.one_of(st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.booleans(), ANY_TEXT)
+
+
+def _values(spec):
+    """Values of the field's TOML type (not necessarily ones validation accepts)."""
+    by_kind = {
+        "bool": st.booleans(),
+        "int": st.integers(-(2**63), 2**63 - 1),
+        "float": st.floats(allow_nan=False),
+        "str": st.sampled_from(spec.choices) if spec.choices else ANY_TEXT,
+        "list": st.lists(st.integers(-(2**31), 2**31) if spec.elem == "int" else ANY_TEXT, max_size=3),
+        "dict": st.dictionaries(ANY_TEXT, SCALAR, max_size=3),
+    }
+    values = by_kind[spec.kind]
+    return st.one_of(st.none(), values) if spec.optional else values
+
+
+FIELDS = {path + (name,): spec for path, fields in walk_sections(JobConfig) for name, spec in fields.items()}
+
+
+def _build(cls, flat, prefix=()):
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        path = prefix + (field.name,)
+        if dataclasses.is_dataclass(field.type):
+            kwargs[field.name] = _build(field.type, flat, path)
+        elif path in flat:
+            kwargs[field.name] = flat[path]
+    return cls(**kwargs)
+
+
+def _without_none(tree):
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in tree.items() if v is not None}
+
+
+@settings(max_examples=150, deadline=None)
+@given(flat=st.fixed_dictionaries({path: _values(spec) for path, spec in FIELDS.items()}))
+def test_resolved_toml_holds_every_generated_value(flat):
+    """The writer's half of the round trip, over every key: any value of the key's type comes back
+    from the TOML unchanged (strings with control characters, quoted table keys, huge numbers)."""
+    config = _build(JobConfig, flat)
+    expected = _without_none(dataclasses.asdict(config))
+    del expected["job"]["config_file"]
+    assert tomllib.loads(to_toml(config)) == expected
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    description=ANY_TEXT,
+    tp_overrides=st.dictionaries(
+        st.from_regex(r"\A[a-z_]{1,6}(\.[a-z0-9_]{1,6}){0,3}\Z"), st.sampled_from(["colwise", "rowwise", "replicate"]),
+        max_size=3,
+    ),
+)
+def test_loaded_configs_round_trip(tmp_path, description, tp_overrides):
+    """The whole round trip, through the loader and its validation, with the free-form values a
+    user writes: text with any character, and dotted module names as table keys (TOML only: the
+    command line splits keys at dots)."""
+    table = "{" + ", ".join(f'"{k}" = "{v}"' for k, v in tp_overrides.items()) + "}"
+    source = write(tmp_path, "job.toml", f'[parallelism]\ntensor_parallel_plan = "auto"\ntensor_parallel_overrides = {table}\n')
+    config = load_config(source, [f"--job.description={description}"])
+    assert config.job.description == description and config.parallelism.tensor_parallel_overrides == tp_overrides
+    reloaded = load_config(write(tmp_path, "resolved.toml", to_toml(config)))
+    assert dataclasses.replace(reloaded, job=config.job) == config
+
+
 def test_every_key_is_in_help_and_reference():
     text, ref = help_text(), reference_markdown()
     for path, fields in walk_sections(JobConfig):

@@ -156,11 +156,24 @@ def _resolve_cli_key(raw: str) -> tuple[tuple[str, ...], FieldSpec | None, bool]
     raise AssertionError("unreachable")
 
 
+def _is_utf8(text: str) -> bool:
+    """False for bytes the shell passed that are not UTF-8 (Python keeps them as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_cli(argv: list[str]) -> tuple[Flat, Action, int | None]:
     """Parse overrides, action flags and --world-size; values come back typed and checked."""
     flat: Flat = {}
     action: Action = "train"
     world_size = None
+    for j, token in enumerate(argv):
+        if not _is_utf8(token):
+            where = argv[j - 1] if j and argv[j - 1].startswith("--") and "=" not in argv[j - 1] else token
+            raise ConfigError(f"{where.split('=')[0]!r}: the value is not valid UTF-8 text ({token!r})")
     i = 0
     while i < len(argv):
         token = argv[i]

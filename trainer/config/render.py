@@ -1,6 +1,6 @@
 """Text forms of the schema and of a config: --help, the key reference, resolved TOML."""
 
-import json
+import re
 from typing import Any
 
 from trainer.config.fields import FieldSpec, section_fields
@@ -26,12 +26,27 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # JSON string escapes are valid TOML basic strings
+        return _toml_string(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
+
+
+# TOML basic strings forbid U+0000-U+001F (tab aside) and U+007F unescaped; the rest is written as is.
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+_NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f]')
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_string(text: str) -> str:
+    return '"' + _NEEDS_ESCAPE.sub(lambda m: _ESCAPES.get(m.group(), f"\\u{ord(m.group()):04x}"), text) + '"'
+
+
+def _toml_key(key: str) -> str:
+    """A table key: bare where TOML allows it, else quoted (``"layers.0.attention.wq"`` stays one key)."""
+    return key if _BARE_KEY.match(key) else _toml_string(key)
 
 
 def default_text(spec: FieldSpec) -> str:
