@@ -6,11 +6,21 @@ half-written ``step-N``; the previous one stays the latest loadable checkpoint. 
 save (``last_save_model_only``) goes to ``model-step-N``, a name resuming never picks: only a
 full checkpoint continues a run.
 
+With ``[checkpoint] verify`` (the default) each folder also holds ``checksums.json``: the size
+and sha256 of every file in it, hashed at save by the ranks in parallel (each a share of the
+files) and checked the same way before loading. A checkpoint that fails the check is moved aside
+to ``step-N.damaged`` (kept, never deleted) and the previous complete one is resumed instead,
+with a warning; ``fallback_on_damage = false`` stops with an error instead. Checkpoints live on a
+file system every rank sees, as DCP requires.
+
 Everything is keyed by global parameter names (tied copies under their canonical name) and
 the data position is global, so a checkpoint resumes under any parallel layout: DCP reshards
 model and optimizer state to whatever this run's chunks and shards are.
 """
 
+import concurrent.futures
+import hashlib
+import json
 import logging
 import re
 import shutil
@@ -42,8 +52,73 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+MANIFEST = "checksums.json"
+_PART = re.compile(r"^checksums\.rank\d+\.json$")
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def hash_share(folder: Path) -> None:
+    """Hash this rank's share of the files in ``folder`` into ``checksums.rank<R>.json`` (no collectives:
+    safe in a background thread). Every rank lists the same folder, so the shares cover every file."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST and not _PART.match(p.name))
+    mine = {name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+            for name in names[_rank()::_world()]}
+    (folder / f"checksums.rank{_rank()}.json").write_text(json.dumps(mine))
+
+
+def merge_shares(folder: Path) -> None:
+    """Rank 0, once every rank has hashed its share: one ``checksums.json`` for the folder."""
+    files = {}
+    for part in sorted(p for p in folder.iterdir() if _PART.match(p.name)):
+        files.update(json.loads(part.read_text()))
+        part.unlink()
+    (folder / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": dict(sorted(files.items()))}, indent=1))
+
+
+def find_damage(folder: Path) -> str | None:
+    """What is wrong with ``folder`` by its ``checksums.json`` (None: intact, or saved without checksums).
+    Every rank checks a share of the files; the verdicts are combined, so every rank returns the same."""
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        names = sorted(files)
+        expected = [(int(files[n]["bytes"]), str(files[n]["sha256"])) for n in names]
+    except FileNotFoundError:
+        logger.info("checkpoint %s has no %s (saved without [checkpoint] verify): not verified", folder, MANIFEST)
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {MANIFEST} is unreadable ({type(e).__name__})"
+    # 0 = intact, 1 = missing, 2 = wrong size, 3 = wrong contents; combined with MAX over ranks (CPU: gloo)
+    verdicts = torch.zeros(len(names), dtype=torch.int32)
+    for i in range(_rank(), len(names), _world()):
+        path = folder / names[i]
+        if not path.is_file():
+            verdicts[i] = 1
+        elif path.stat().st_size != expected[i][0]:
+            verdicts[i] = 2
+        elif _sha256(path) != expected[i][1]:
+            verdicts[i] = 3
+    if dist.is_initialized():
+        dist.all_reduce(verdicts, op=dist.ReduceOp.MAX)
+    bad = [(names[i], int(v)) for i, v in enumerate(verdicts.tolist()) if v]
+    if not bad:
+        return None
+    name, verdict = bad[0]
+    size = expected[names.index(name)][0]
+    what = {1: "is missing", 2: f"is not the {size} bytes written", 3: "has other contents than written"}
+    more = f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""
+    return f"{name} {what[verdict]}{more}"
 
 
 def _barrier() -> None:
@@ -80,7 +155,8 @@ class Checkpointer:
         self.spec, self.args = spec, model_args
         self.aliases = spec.tied_aliases(model_args)
         self.pp_rank, self.pp, self.hf_writer = pp_rank, pp, hf_writer
-        self.pending = None  # (future, step) of an asynchronous save in flight
+        self.pending = None  # (future, name) of an asynchronous save in flight
+        self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
 
     # -- state --------------------------------------------------------------------------------
     def _canonical(self, key: str) -> str:
@@ -150,11 +226,24 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         if background:
-            self.pending = (dcp.async_save(state, checkpoint_id=str(tmp)), name)
+            saving = dcp.async_save(state, checkpoint_id=str(tmp))
+            if self._background is None:
+                self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+            self.pending = (self._background.submit(self._finish_files, saving, tmp), name)
             logger.info("checkpoint %s: saving in the background", name)
         else:
             dcp.save(state, checkpoint_id=str(tmp))
+            _barrier()  # every rank's files are on disk before any rank lists the folder
+            if self.cfg.verify:
+                hash_share(tmp)
             self._publish(name)
+
+    def _finish_files(self, saving, tmp: Path) -> None:
+        """Background part of an asynchronous save: DCP's write (which ends with every rank's files and
+        the metadata written), then this rank's share of the checksums."""
+        saving.result()
+        if self.cfg.verify:
+            hash_share(tmp)
 
     def wait(self) -> None:
         """Finish an asynchronous save, if one is in flight."""
@@ -162,11 +251,13 @@ class Checkpointer:
             future, name = self.pending
             future.result()
             self.pending = None
-            _barrier()  # every rank's files are written before the folder is published
             self._publish(name)
 
     def _publish(self, name: str) -> None:
+        _barrier()  # every rank's files (and checksum share) are written before the folder is published
         if _rank() == 0:
+            if self.cfg.verify:
+                merge_shares(self.folder / f"{name}.tmp")
             final = self.folder / name
             shutil.rmtree(final, ignore_errors=True)
             (self.folder / f"{name}.tmp").rename(final)
@@ -191,18 +282,30 @@ class Checkpointer:
                     f"{self.cfg.load_step} (available: {steps or 'none'})"
                 )
             path = self.folder / f"step-{self.cfg.load_step}"
+            self._check_intact(path, "[checkpoint] load_step")
             if not _is_full(path):
                 raise UserError(
                     f"[checkpoint] load_step={self.cfg.load_step}: {path} holds model weights only and cannot continue a"
                     " run; start from it with [checkpoint] initial_load_path in a new dump folder"
                 )
             return self._load(path, self.cfg.load_step)
+        damaged = []
         for step in reversed(steps):
             path = self.folder / f"step-{step}"
+            damage = find_damage(path) if self.cfg.verify else None
+            if damage:
+                if not self.cfg.fallback_on_damage:
+                    raise UserError(f"[checkpoint] {path} is damaged: {damage}; with fallback_on_damage = true the"
+                                    " previous complete checkpoint would be resumed instead")
+                damaged.append(self._set_aside(path, damage))
+                continue
             if _is_full(path):
                 return self._load(path, step)
             # Written by an older version as the final weights-only save: not a run to continue.
             logger.warning("checkpoint %s holds model weights only; resuming from an earlier full checkpoint", path)
+        if damaged:
+            raise UserError(f"[checkpoint] every checkpoint in {self.folder} is damaged (kept as {', '.join(damaged)});"
+                            " nothing to resume from. Remove them to start afresh")
         if self.cfg.initial_load_path:
             from trainer.hf import is_hf_folder, load_hf_
 
@@ -210,8 +313,28 @@ class Checkpointer:
             if is_hf_folder(path):
                 load_hf_(self.chunks, self.spec, self.args, path)
             else:
+                self._check_intact(path, "[checkpoint] initial_load_path")
                 self._load(path, None)
         return 0
+
+    def _check_intact(self, path: Path, key: str) -> None:
+        """For a checkpoint the user named: damage is an error, there is nothing to fall back to."""
+        damage = find_damage(path) if self.cfg.verify and path.is_dir() else None
+        if damage:
+            raise UserError(f"{key}: {path} is damaged: {damage}")
+
+    def _set_aside(self, path: Path, damage: str) -> str:
+        """Move a damaged checkpoint out of the way (kept for inspection, never purged) and say so."""
+        aside = path.with_name(f"{path.name}.damaged")
+        n = 1
+        while aside.exists():
+            aside, n = path.with_name(f"{path.name}.damaged.{n}"), n + 1
+        if _rank() == 0:
+            path.rename(aside)
+        _barrier()
+        logger.warning("checkpoint %s is damaged: %s; moved to %s, trying the previous checkpoint", path, damage,
+                       aside.name)
+        return aside.name
 
     def _load(self, path: Path, step: int | None) -> int:
         try:

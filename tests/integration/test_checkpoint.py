@@ -1,5 +1,8 @@
 """Checkpoints: exact resume, resume on another layout, atomic saves under kill -9, retention, errors."""
 
+import hashlib
+import json
+import shutil
 import subprocess
 import sys
 
@@ -8,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+import trainer.checkpoint as ckpt
 from tests.distributed.harness import ENV, PARITY, REPO, run_layout
 from tests.parity import REPORT, compare, record
 from trainer.checkpoint import complete_steps
@@ -43,7 +47,13 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path):
               "--training.steps", "6", *CKPT]
     straight = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
     run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
+    # A newer checkpoint with one bit flipped in a file that rank 3 verifies (files are shared out
+    # in name order: .metadata, __0_0, __1_0, __2_0, ...): every rank must agree to fall back to step 3.
+    folder = tmp_path / "r" / "checkpoint"
+    shutil.copytree(folder / "step-3", folder / "step-4")
+    _flip_bit(folder / "step-4" / "__2_0.distcp")
     resumed = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
+    assert (folder / "step-4.damaged").is_dir() and complete_steps(folder) == [3, 6]
     assert resumed["losses"] == straight["losses"][3:] and resumed["grad_norms"] == straight["grad_norms"][3:]
     # Steps 4-6 of the straight run, every gradient and the final parameters: what a resume must reproduce.
     after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
@@ -201,3 +211,97 @@ def test_random_generator_state_is_restored(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt.Checkpointer, "load", load)
     train(args, tmp_path)
     assert torch.equal(restored["state"], saved)
+
+
+# -- integrity: checksums written at save, verified at load, fallback to the previous checkpoint --
+
+def _largest_data_file(folder):
+    return max((p for p in folder.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+
+
+def _flip_bit(path, offset=None):
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    data[at] ^= 0x04
+    path.write_bytes(bytes(data))
+
+
+def test_find_damage_names_the_file_and_what_is_wrong(tmp_path):
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"m" * 100)
+    (folder / "__0_0.distcp").write_bytes(bytes(range(256)) * 8)
+    (folder / "__1_0.distcp").write_bytes(b"x" * 10)
+    assert ckpt.find_damage(folder) is None  # no checksums.json: saved without verify, not checked
+    ckpt.hash_share(folder)
+    ckpt.merge_shares(folder)
+    manifest = json.loads((folder / ckpt.MANIFEST).read_text())["files"]
+    assert sorted(manifest) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # no rank part left behind
+    assert manifest["__0_0.distcp"] == {"bytes": 2048, "sha256": hashlib.sha256(bytes(range(256)) * 8).hexdigest()}
+    assert ckpt.find_damage(folder) is None
+    _flip_bit(folder / "__0_0.distcp", offset=2047)  # the last bit of the file: size unchanged
+    assert ckpt.find_damage(folder) == "__0_0.distcp has other contents than written"
+    (folder / ".metadata").write_bytes(b"\0" * 100)  # zero-filled, same size
+    assert ckpt.find_damage(folder) == ".metadata has other contents than written (and 1 more file(s))"
+    (folder / "__1_0.distcp").write_bytes(b"x" * 9)
+    assert "__1_0.distcp" not in ckpt.find_damage(folder)  # the first damaged file, in name order, is named
+    (folder / ".metadata").unlink()
+    assert ckpt.find_damage(folder) == ".metadata is missing (and 2 more file(s))"
+    (folder / "__0_0.distcp").unlink()
+    (folder / ckpt.MANIFEST).write_text('{"files": {"a": {"bytes": "x"')
+    assert ckpt.find_damage(folder) == "its checksums.json is unreadable (JSONDecodeError)"
+    (folder / ".metadata").write_bytes(b"m" * 100)
+    (folder / ckpt.MANIFEST).write_text(json.dumps({"files": {".metadata": {"bytes": 100, "sha256": "0" * 64},
+                                                              "__1_0.distcp": {"bytes": 10, "sha256": "0"}}}))
+    assert ckpt.find_damage(folder) == ".metadata has other contents than written (and 1 more file(s))"
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_damaged_checkpoints_are_detected_and_the_previous_one_resumed_exactly(tmp_path, caplog, async_mode):
+    args = ["--training.local_batch_size", "8", "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval",
+            "2", "--checkpoint.keep_latest_k", "0", "--checkpoint.async_mode", async_mode]
+    straight = train(args, tmp_path)
+    folder = tmp_path / "checkpoint"
+    assert complete_steps(folder) == [2, 4, 6]
+    for step in (2, 4, 6):  # every file of every checkpoint is listed, and nothing else is left
+        written = {p.name for p in (folder / f"step-{step}").iterdir()} - {ckpt.MANIFEST}
+        assert set(json.loads((folder / f"step-{step}" / ckpt.MANIFEST).read_text())["files"]) == written
+    _flip_bit(_largest_data_file(folder / "step-6"))  # one bit inside the tensors
+    data = _largest_data_file(folder / "step-4")
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[:-100])  # a truncated write
+    caplog.set_level("WARNING")
+    resumed = train(args, tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(warnings) == 2
+    assert "step-6 is damaged: __0_0.distcp has other contents than written; moved to step-6.damaged" in warnings[0]
+    assert f"step-4 is damaged: __0_0.distcp is not the {size} bytes written" in warnings[1]
+    # Resumed from step 2, bit for bit the run that was never damaged; the damaged folders are kept.
+    assert resumed.losses == straight.losses[2:] and resumed.grad_norms == straight.grad_norms[2:]
+    assert {"step-4.damaged", "step-6.damaged"} <= {p.name for p in folder.iterdir()}
+    assert complete_steps(folder) == [2, 4, 6]  # saved again by the resumed run
+
+
+def test_damage_without_fallback_or_in_a_named_checkpoint_stops_with_one_line(tmp_path):
+    args = ["--training.local_batch_size", "8", "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval",
+            "2"]
+    train(args, tmp_path)
+    folder = tmp_path / "checkpoint"
+    _flip_bit(folder / "step-4" / ".metadata")
+    with pytest.raises(UserError, match=r"^\[checkpoint\] .*step-4 is damaged: .metadata has other contents than"
+                                        r" written; with fallback_on_damage = true the previous"):
+        train(args + ["--checkpoint.no-fallback_on_damage"], tmp_path)
+    with pytest.raises(UserError, match=r"^\[checkpoint\] load_step: .*step-4 is damaged: .metadata has other"):
+        train(args + ["--checkpoint.load_step", "4"], tmp_path)
+    with pytest.raises(UserError, match=r"^\[checkpoint\] initial_load_path: .*step-4 is damaged"):
+        train(args + ["--checkpoint.initial_load_path", str(folder / "step-4")], tmp_path / "other")
+    assert complete_steps(folder) == [2, 4]  # nothing moved or lost by a refused run
+    _flip_bit(folder / "step-2" / ".metadata")
+    with pytest.raises(UserError, match=r"every checkpoint in .* is damaged \(kept as step-4.damaged, step-2.damaged\)"):
+        train(args, tmp_path)
+    # Without verify, only damage that stops DCP is seen (a zero-filled metadata file, here).
+    (folder / "step-2.damaged").rename(folder / "step-2")
+    metadata = folder / "step-2" / ".metadata"
+    metadata.write_bytes(bytes(metadata.stat().st_size))
+    with pytest.raises(UserError, match=r"step-2 is not a readable checkpoint"):
+        train(args + ["--checkpoint.no-verify"], tmp_path)

@@ -236,6 +236,10 @@ class Checkpoint:
     """Resume from this step; -1 = the latest complete checkpoint."""
     initial_load_path: str = ""
     """Weights to start from when the run folder has no checkpoint: a DCP step folder or a Hugging Face safetensors folder."""
+    verify: bool = True
+    """Record every checkpoint file's size and sha256 at save (checksums.json, hashed in parallel by the ranks) and check them before loading."""
+    fallback_on_damage: bool = True
+    """When the checkpoint to resume from fails verification: move it aside to step-N.damaged and resume from the previous complete one, with a warning; false = stop with an error. An explicit load_step never falls back."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """Parts of the state not to load: model, optimizer, dataloader, train_state (step counter and LR schedule), rng."""
     last_save_model_only: bool = True
