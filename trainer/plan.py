@@ -149,7 +149,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
                                        post=spec.post_layers, seq_len=t.seq_len)
         n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
         if pipeline.schedule == "csv":
-            check_csv(p.pipeline_parallel_schedule_csv, pipeline.pp, pipeline.num_stages, n_micro)
+            check_csv(p.pipeline_parallel_schedule_csv, [pipeline.stage_ids(r) for r in range(pipeline.pp)], n_micro)
         else:
             check_schedule(pipeline.schedule, pipeline.pp, n_micro, pipeline.stages_per_rank)
     stage_params, stage_flops = _stage_costs(whole, spec, pipeline, t.seq_len)

@@ -76,6 +76,18 @@ def test_a_malformed_schedule_csv_is_refused_at_any_pipeline_degree(tmp_path):
         load_plan(["--parallelism.pipeline_parallel_schedule_csv", str(csv)], 1)
 
 
+def test_a_schedule_csv_torch_cannot_run_is_refused_when_the_job_is_planned(tmp_path):
+    """Each row well formed, but rank 1's actions written first: the plan's stage placement is used."""
+    csv = tmp_path / "s.csv"
+    csv.write_text("1F0,3F0,3B0,1B0\n0F0,2F0,2B0,0B0\n")
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "8",
+           "--parallelism.pipeline_parallel_schedule_csv", str(csv)]
+    with pytest.raises(ConfigError, match=r"row 1 \(pipeline rank 0\) has 1F0, but stage 1 runs on rank 1"):
+        load_plan(pp2, 2)
+    csv.write_text("0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n")
+    load_plan(pp2, 2)
+
+
 def test_a_one_step_smoke_test_of_any_job_works(caplog):
     # configs/debug_model.toml warms up over 2 steps; with 1 step the warm-up is shortened, with a warning.
     plan = load_plan(["--training.steps", "1"], 1, config_file="configs/debug_model.toml")

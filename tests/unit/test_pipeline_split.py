@@ -1,5 +1,7 @@
 """Pipeline planning without a process group: split generation, validation, placement, bubble, dry run."""
 
+import re
+
 import pytest
 import torch
 
@@ -218,18 +220,67 @@ def test_timeline_lists_every_action():
     assert rank0[:3] == ["0F0", "0F1", "0F2"] and len(rank0) == 2 * 3 * 4  # 2 stages x (F, I, W) x 4
 
 
+LOOP2 = [[0], [1]]  # placement: rank r's stages (pp 2, one stage each)
+
+
 def test_csv_schedule_checks(tmp_path):
     good = tmp_path / "s.csv"
     good.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
-    check_csv(str(good), 2, 2, 2)
+    check_csv(str(good), LOOP2, 2)
     with pytest.raises(ConfigError, match="has 2 rows, one per pipeline rank is needed \\(4\\)"):
-        check_csv(str(good), 4, 2, 2)
+        check_csv(str(good), [[0], [1], [2], [3]], 2)
     with pytest.raises(ConfigError, match="microbatches \\[0, 1\\], but the job has 4"):
-        check_csv(str(good), 2, 2, 4)
+        check_csv(str(good), LOOP2, 4)
     bad = tmp_path / "bad.csv"
     bad.write_text("0F0,zz\n1F0\n")
     with pytest.raises(ConfigError, match="'zz' is not an action"):
-        check_csv(str(bad), 2, 2, 1)
+        check_csv(str(bad), LOOP2, 1)
+
+
+# Rows that are each well formed but cannot run: torch would fail inside the step (or hang).
+IMPOSSIBLE = [
+    ("rows swapped", "1F0,1B0,1F1,1B1\n0F0,0F1,0B0,0B1\n", LOOP2,
+     "row 1 (pipeline rank 0) has 1F0, but stage 1 runs on rank 1 (rank r holds stages r); rows go in pipeline-rank"),
+    ("interleaved rows swapped", "1F0,3F0,3B0,1B0\n0F0,2F0,2B0,0B0\n", [[0, 2], [1, 3]],
+     "row 1 (pipeline rank 0) has 1F0, but stage 1 runs on rank 1 (rank r holds stages r, r+2)"),
+    ("a backward missing", "0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n", LOOP2,
+     "stage 0 microbatch 1 needs one backward, 0B1 or 0I1 then 0W1 (found none)"),
+    ("a forward twice", "0F0,0F1,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n", LOOP2, "stage 0 microbatch 1 runs forward 2 times"),
+    ("B and I for one microbatch", "0F0,0B0,0I0,0W0\n1F0,1B0\n", [[0], [1]],
+     "stage 0 microbatch 0 needs one backward, 0B0 or 0I0 then 0W0 (found 1 x 0B0, 1 x 0I0, 1 x 0W0)"),
+    ("W without I", "0F0,0B0\n1F0,1B0,1W0\n", LOOP2, "(found 1 x 1B0, 1 x 1W0)"),
+    ("backward before forward", "0B0,0F0\n1F0,1B0\n", LOOP2, "row 1: 0B0 comes before 0F0"),
+    ("W before I", "0F0,0B0\n1F0,1W0,1I0\n", LOOP2, "row 2: 1W0 comes before 1I0"),
+    ("orders that wait on each other", "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", LOOP2,
+     "this order cannot run, every rank waits for another (rank 0 at 0B0; rank 1 at 1F1)"),
+]
+
+
+@pytest.mark.parametrize("text, placement, words", [c[1:] for c in IMPOSSIBLE], ids=[c[0] for c in IMPOSSIBLE])
+def test_csv_schedules_torch_cannot_run_are_refused(tmp_path, text, placement, words):
+    path = tmp_path / "s.csv"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(words)) as e:
+        check_csv(str(path), placement, len({c[-1] for c in text.replace("\n", ",").split(",") if c}))
+    assert str(e.value).startswith("[parallelism] pipeline_parallel_schedule_csv: ")
+
+
+@pytest.mark.parametrize("schedule, pp, n_micro, per_rank", [
+    ("Interleaved1F1B", 2, 4, 2), ("Interleaved1F1B", 4, 8, 2), ("LoopedBFS", 2, 4, 3),
+    ("InterleavedZeroBubble", 2, 4, 2), ("InterleavedZeroBubble", 4, 4, 2), ("ZBVZeroBubble", 2, 4, 2),
+    ("DualPipeV", 2, 4, 2),
+])
+def test_every_torch_schedule_written_as_csv_passes_the_check(tmp_path, schedule, pp, n_micro, per_rank):
+    """The check accepts what torch itself generates (written out as compute-only CSV rows)."""
+    from trainer.parallel.schedule_sim import _flatten, schedule_ops
+
+    ops = schedule_ops(schedule, pp, n_micro, per_rank)
+    rows = [",".join(f"{s}{k}{m}" for a in rank for k, s, m in _flatten(a)) for rank in ops]
+    path = tmp_path / "s.csv"
+    path.write_text("\n".join(rows) + "\n")
+    v = schedule in ("ZBVZeroBubble", "DualPipeV")
+    placement = [[r, 2 * pp - 1 - r] if v else [r + i * pp for i in range(per_rank)] for r in range(pp)]
+    check_csv(str(path), placement, n_micro)
 
 
 # -- the dry run ---------------------------------------------------------------------------------

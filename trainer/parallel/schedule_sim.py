@@ -36,25 +36,36 @@ def check_schedule(schedule: str, pp: int, n_microbatches: int, stages_per_rank:
         ) from None
 
 
-def check_csv(path: str, pp: int, num_stages: int, n_microbatches: int) -> None:
-    """The CSV (one row of actions like 0F0,2B1 per rank) must match the job's ranks, stages, microbatches."""
+_CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
+
+
+def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> None:
+    """The CSV (one row of compute actions like 0F0,2B1 per pipeline rank) must be a schedule torch can
+    run on this job: its stages on the ranks that hold them (``placement[r]``: rank r's stages), every
+    microbatch of every stage run forward once and backward once (B, or I then W), and an order in
+    which no rank waits forever for another."""
     import re
 
-    key = "[parallelism] pipeline_parallel_schedule_csv"
+    key = _CSV_KEY
     try:
-        rows = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+        lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{key}: cannot read {path}: {e}") from None
-    if len(rows) != pp:
-        raise ConfigError(f"{key}: {path} has {len(rows)} rows, one per pipeline rank is needed ({pp})")
-    stages, mbs = set(), set()
-    for r, row in enumerate(rows):
-        for cell in row.split(","):
+    pp, num_stages = len(placement), sum(len(stages) for stages in placement)
+    if len(lines) != pp:
+        raise ConfigError(f"{key}: {path} has {len(lines)} rows, one per pipeline rank is needed ({pp})")
+    rows: list[list[tuple[str, int, int]]] = []
+    for r, line in enumerate(lines):
+        rows.append([])
+        for cell in line.split(","):
             m = re.fullmatch(r"\s*(\d+)\s*(F|B|I|W)\s*(\d+)\s*", cell)
             if m is None:
-                raise ConfigError(f"{key}: {path} row {r + 1}: {cell!r} is not an action like 0F1 (stage, F/B/I/W, microbatch)")
-            stages.add(int(m.group(1)))
-            mbs.add(int(m.group(3)))
+                raise ConfigError(
+                    f"{key}: {path} row {r + 1}: {cell!r} is not an action like 0F1 (stage, F/B/I/W, microbatch)"
+                )
+            rows[-1].append((m.group(2), int(m.group(1)), int(m.group(3))))
+    stages = {s for row in rows for _, s, _ in row}
+    mbs = {mb for row in rows for _, _, mb in row}
     if stages != set(range(num_stages)):
         raise ConfigError(f"{key}: {path} uses stages {sorted(stages)}, but the job has stages 0..{num_stages - 1}")
     if mbs != set(range(n_microbatches)):
@@ -62,6 +73,57 @@ def check_csv(path: str, pp: int, num_stages: int, n_microbatches: int) -> None:
             f"{key}: {path} uses microbatches {sorted(mbs)}, but the job has {n_microbatches}"
             " ([training] local_batch_size / pipeline_parallel_microbatch_size)"
         )
+    owner = {stage: r for r, held in enumerate(placement) for stage in held}
+    for r, row in enumerate(rows):
+        for kind, stage, mb in row:
+            if owner[stage] != r:
+                raise ConfigError(
+                    f"{key}: {path} row {r + 1} (pipeline rank {r}) has {stage}{kind}{mb}, but stage {stage} runs on"
+                    f" rank {owner[stage]} (rank r holds stages {', '.join(_stages_rule(placement))}); rows go in"
+                    " pipeline-rank order"
+                )
+    where: dict[tuple[str, int, int], list[int]] = {}  # action -> its positions in its rank's row
+    for row in rows:
+        for i, action in enumerate(row):
+            where.setdefault(action, []).append(i)
+    for stage in range(num_stages):
+        for mb in range(n_microbatches):
+            count = {kind: len(where.get((kind, stage, mb), [])) for kind in "FBIW"}
+            if count["F"] != 1:
+                raise ConfigError(
+                    f"{key}: {path}: stage {stage} microbatch {mb} runs forward {count['F']} times ({stage}F{mb});"
+                    " once is needed"
+                )
+            if (count["B"], count["I"], count["W"]) not in ((1, 0, 0), (0, 1, 1)):
+                found = ", ".join(f"{n} x {stage}{k}{mb}" for k, n in count.items() if k != "F" and n) or "none"
+                raise ConfigError(
+                    f"{key}: {path}: stage {stage} microbatch {mb} needs one backward, {stage}B{mb} or {stage}I{mb}"
+                    f" then {stage}W{mb} (found {found})"
+                )
+            first = {kind: where[(kind, stage, mb)][0] for kind in "FBIW" if count[kind]}
+            for later, earlier in (("B", "F"), ("I", "F"), ("W", "I")):
+                if later in first and first[later] < first[earlier]:
+                    raise ConfigError(
+                        f"{key}: {path} row {owner[stage] + 1}: {stage}{later}{mb} comes before {stage}{earlier}{mb}"
+                    )
+    try:
+        _run(rows, num_stages)
+    except Deadlock as e:
+        stuck = "; ".join(f"rank {r} at {s}{k}{mb}" for r, (k, s, mb) in e.blocked)
+        raise ConfigError(f"{key}: {path}: this order cannot run, every rank waits for another ({stuck})") from None
+
+
+def _stages_rule(placement: list[list[int]]) -> list[str]:
+    """'r', 'r+2', ... for the loop placement the CSV runtime uses."""
+    return ["r" if i == 0 else f"r+{i * len(placement)}" for i in range(len(placement[0]))]
+
+
+class Deadlock(RuntimeError):
+    """No rank can run its next action; ``blocked`` holds (rank, next action) of each unfinished rank."""
+
+    def __init__(self, blocked: list[tuple[int, tuple[str, int, int]]]):
+        super().__init__("pipeline schedule simulation deadlocked")
+        self.blocked = blocked
 
 
 def _flatten(action) -> list[tuple[str, int, int]]:
@@ -76,13 +138,18 @@ def _flatten(action) -> list[tuple[str, int, int]]:
 
 
 def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
-    """(makespan, busy time summed over ranks) running each rank's actions in order.
+    """(makespan, busy time summed over ranks) running each rank's torch actions in order (see ``_run``)."""
+    return _run([[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops], num_stages)
+
+
+def _run(queues: list[list[tuple[str, int, int]]], num_stages: int) -> tuple[float, float]:
+    """(makespan, busy time summed over ranks) running each rank's (kind, stage, microbatch) in order.
 
     An action starts when its rank is free and its inputs exist: a forward needs the previous
     stage's forward of the microbatch, a backward needs its own forward and the next stage's
-    backward, a weight gradient its own input gradient. Communication is free.
+    backward, a weight gradient its own input gradient. Communication is free. Raises
+    ``Deadlock`` when no rank can go on.
     """
-    queues = [[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops]
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * len(queues)
     pos = [0] * len(queues)
@@ -123,7 +190,7 @@ def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise RuntimeError("pipeline schedule simulation deadlocked")
+            raise Deadlock([(r, q[pos[r]]) for r, q in enumerate(queues) if pos[r] < len(q)])
     return max(clock), busy
 
 
