@@ -8,7 +8,7 @@ would (``run_train.sh`` runs ``--print-config`` with WORLD_SIZE set before launc
 import os
 import sys
 
-from trainer.errors import UserError
+from trainer.errors import UserError, one_line
 
 
 def run(argv: list[str]) -> int:
@@ -38,7 +38,7 @@ def run(argv: list[str]) -> int:
 
         main(invocation.config)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     except Exception as e:
         if not _lost_peer(e):

@@ -1,9 +1,10 @@
-"""Checkpoint cost: size, save time (sync), time the training loop is blocked (sync vs async), load time.
+"""Checkpoint cost: size, time the training loop is blocked (sync vs async), load time; with and without checksums.
 
     python benchmarks/bench_checkpoint.py
 
 Each case trains in one process with a checkpoint every step and times the checkpointer's
-calls from inside the training loop (medians over the saves after the first).
+calls from inside the training loop (medians over the saves after the first), with
+``[checkpoint] verify`` on (sha256 of every file at save, checked at load) and off.
 """
 
 import argparse
@@ -39,13 +40,13 @@ def timed(cls, name, sink):
     return real
 
 
-def run(case: str, mode: str, steps: int, tmp: Path) -> dict:
-    dump = tmp / f"{case}_{mode}"
+def run(case: str, mode: str, verify: bool, steps: int, tmp: Path) -> dict:
+    dump = tmp / f"{case}_{mode}_{verify}"
     args = CASES[case] + ["--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1",
                           "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000", "--checkpoint.enable",
                           "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2",
                           "--checkpoint.no-last_save_model_only", "--checkpoint.async_mode", mode,
-                          "--job.dump_folder", str(dump)]
+                          "--checkpoint." + ("verify" if verify else "no-verify"), "--job.dump_folder", str(dump)]
     blocked, waits = [], []
     save, wait = timed(ckpt.Checkpointer, "maybe_save", blocked), timed(ckpt.Checkpointer, "wait", waits)
     try:
@@ -61,8 +62,9 @@ def run(case: str, mode: str, steps: int, tmp: Path) -> dict:
     finally:
         ckpt.Checkpointer.load = load
     shutil.rmtree(dump)
-    return {"case": case, "mode": mode, "size_mib": size / 2**20, "blocked_s": statistics.median(blocked[1:]),
-            "step_s": statistics.median(result.step_times[1:]), "load_s": loads[0]}
+    return {"case": case, "mode": mode, "verify": verify, "size_mib": size / 2**20,
+            "blocked_s": statistics.median(blocked[1:]), "step_s": statistics.median(result.step_times[1:]),
+            "load_s": loads[0]}
 
 
 def main_cli() -> None:
@@ -70,14 +72,17 @@ def main_cli() -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    print("| model | mode | checkpoint size (MiB) | loop blocked per save (s) | train step (s) | load (s) |")
-    print("|---|---|---|---|---|---|")
+    print("| model | mode | checksums | checkpoint size (MiB) | loop blocked per save (s) | train step (s) |"
+          " load (s) |\n|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases:
             for mode in ("disabled", "async"):
-                r = run(case, mode, args.steps, Path(tmp))
-                print(f"| {r['case']} | {'sync' if mode == 'disabled' else 'async'} | {r['size_mib']:.1f} | "
-                      f"{r['blocked_s']:.3f} | {r['step_s']:.3f} | {r['load_s']:.3f} |", flush=True)
+                for verify in (False, True):
+                    r = run(case, mode, verify, args.steps, Path(tmp))
+                    print(f"| {r['case']} | {'sync' if mode == 'disabled' else 'async'} |"
+                          f" {'on' if verify else 'off'} | {r['size_mib']:.1f} | {r['blocked_s']:.3f} |"
+                          f" {r['step_s']:.3f} | {r['load_s']:.3f} |",
+                          flush=True)
 
 
 if __name__ == "__main__":

@@ -15,3 +15,10 @@ class ConfigError(UserError, ValueError):
 
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
+
+
+def one_line(message: object) -> str:
+    """``message`` as one printable line: control characters (a newline in a file name, say) escaped."""
+    import re
+
+    return re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], str(message).strip())

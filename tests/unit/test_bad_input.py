@@ -10,9 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import TINY_MODEL, load_plan
-from trainer.errors import ConfigError, UserError
+from trainer.config import JobConfig
+from trainer.config.render import walk_sections
+from trainer.errors import ConfigError, UserError, one_line
 from trainer.optim import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,3 +175,75 @@ def test_local_files_honour_the_split_key(tmp_path):
     with pytest.raises(UserError, match=r"\[training.dataloader\] split='validation': local files are one split"):
         docs(load_config(overrides=["--training.dataset_path", str(data),
                                               "--training.dataloader.split", "validation"]).training)
+
+
+# -- fuzzing what a user can type into the free tables, the paths and the numbers -------------------
+# Each generated input must plan, or be refused with a UserError (printed as one line, exit 2):
+# never another exception, never a hang (hypothesis' deadline is per example).
+
+PATH_KEYS = ["job.dump_folder", "model.tokenizer_path", "training.dataset_path", "training.dataloader.cache_folder",
+             "validation.dataset_path", "checkpoint.folder", "checkpoint.initial_load_path", "metrics.save_tb_folder",
+             "parallelism.pipeline_parallel_schedule_csv", "job.config_file"]
+PATHS = st.one_of(
+    st.sampled_from(["", "/", ".", "..", "/dev/null", "/proc/self/mem", "a\0b", "x" * 300, "/tmp/" + "y/" * 200,
+                     "/nonexistent/q", "~", "//", "/etc/passwd", "configs", "README.md", " ", "\n", "/tmp/\udcff"]),
+    st.text(max_size=30),
+)
+HUGE = st.one_of(
+    st.sampled_from(["9223372036854775808", "-9223372036854775809", str(2**64), "1e308", "1e309", "-1e309", "inf",
+                     "-inf", "nan", "1e-320", str(10**30), "-1", "0", "-0.0"]),
+    st.integers().map(str), st.floats().map(repr),
+)
+NUMERIC_KEYS = [".".join(path + (name,)) for path, fields in walk_sections(JobConfig) for name, spec in fields.items()
+                if spec.kind in ("int", "float")]
+LLAMA_FIELDS = ["dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
+                "norm_eps", "rope_theta", "max_seq_len", "tie_embeddings"]
+
+
+def _plans_or_refuses(argv):
+    try:
+        load_plan(argv)
+    except UserError as e:
+        assert str(e).strip()
+
+
+@settings(max_examples=120, deadline=20_000, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(PATH_KEYS), value=PATHS)
+def test_fuzz_paths(key, value):
+    _plans_or_refuses([f"--{key}={value}"])
+
+
+@settings(max_examples=150, deadline=20_000, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(NUMERIC_KEYS), value=HUGE)
+def test_fuzz_huge_numbers(key, value):
+    _plans_or_refuses([f"--{key}={value}"])
+
+
+@settings(max_examples=150, deadline=20_000, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    key=st.one_of(st.sampled_from(LLAMA_FIELDS), st.from_regex(r"\A[a-z_]{1,12}\Z")),
+    value=st.one_of(HUGE, st.sampled_from(["true", "abc", "[1]", "{a = 1}", '"8"', ""])),
+)
+def test_fuzz_model_overrides(key, value):
+    _plans_or_refuses([f"--model.overrides.{key}", value] if value else [f"--model.overrides.{key}="])
+
+
+@settings(max_examples=80, deadline=20_000, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    key=st.one_of(
+        st.sampled_from(["attention.wq", "attention", "feed_forward.w1", "tok_embeddings", "output", "layers"]),
+        st.from_regex(r"\A[a-z_]{1,8}(\.[a-z0-9_]{1,5}){0,2}\Z"),
+    ),
+    value=st.one_of(st.sampled_from(["colwise", "rowwise", "replicate", "bogus", "1", "true", "[1]"]),
+                    st.text(max_size=8)),
+)
+def test_fuzz_tensor_parallel_overrides(key, value):
+    _plans_or_refuses(["--parallelism.tensor_parallel_plan", "auto", "--parallelism.tensor_parallel_degree", "2",
+                       f"--parallelism.tensor_parallel_overrides.{key}={value}"])
+
+
+def test_control_characters_in_an_error_stay_on_one_line():
+    out = run_cli([sys.executable, "train.py", "--parallelism.pipeline_parallel_schedule_csv", "a\nb.csv", "--dry-run"])
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "a\\nb.csv" in lines[0]
+    assert one_line("x\r\ny\0") == "x\\r\\ny\\x00"

@@ -162,6 +162,7 @@ def check_value(spec: FieldSpec, value: Any) -> Any:
     if kind == "str":
         if not isinstance(value, str):
             raise wrong()
+        _check_text(value)
         return _match_choice(spec, value) if spec.choices else value
     if kind == "list":
         if not isinstance(value, list):
@@ -179,6 +180,11 @@ def check_value(spec: FieldSpec, value: Any) -> Any:
                 raise ConfigError(f"entry {k!r} = {v!r} must be a single number, string or boolean")
         return dict(value)
     raise wrong()
+
+
+def _check_text(text: str) -> None:
+    if "\0" in text:
+        raise ConfigError(f"got {text!r}: a NUL character cannot be part of a name or path")
 
 
 def parse_cli_value(spec: FieldSpec, text: str) -> Any:
@@ -200,6 +206,7 @@ def parse_cli_value(spec: FieldSpec, text: str) -> Any:
             raise ConfigError(f"got {text!r}, expected {spec.accepted()}") from None
         return check_value(spec, value)
     if kind == "str":
+        _check_text(text)
         return _match_choice(spec, text) if spec.choices else text
     if kind == "list":
         stripped = text.strip()

@@ -99,12 +99,16 @@ def _flatten(data: dict, cls: type, prefix: tuple[str, ...], origin: str, out: F
 def read_toml(path: str | Path, _chain: tuple[Path, ...] = ()) -> Flat:
     """Read a TOML job file and the files it extends, as a flat map (later files win)."""
     path = Path(path)
-    resolved = path.resolve()
+    try:
+        resolved = path.resolve()
+        is_file, exists = path.is_file(), path.exists()
+    except (OSError, ValueError) as e:  # a name too long, a NUL character
+        raise ConfigError(f"[job] config_file: cannot use {str(path)!r}: {e}") from None
     if resolved in _chain:
         cycle = " -> ".join(str(p) for p in _chain + (resolved,))
         raise ConfigError(f"{EXTENDS_KEY}: cycle between config files: {cycle}")
-    if not path.is_file():
-        what = "not a regular file" if path.exists() else "file not found"
+    if not is_file:
+        what = "not a regular file" if exists else "file not found"
         raise ConfigError(f"[job] config_file: {what}: {path}")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))

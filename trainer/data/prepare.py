@@ -13,7 +13,7 @@ import logging
 import sys
 from dataclasses import replace
 
-from trainer.errors import UserError
+from trainer.errors import UserError, one_line
 
 USAGE = "usage: python -m trainer.data.prepare OUTPUT_FOLDER [--validation] [--job.config_file FILE] [--section.key value ...]"
 
@@ -48,7 +48,7 @@ def run(argv: list[str]) -> int:
         summary = prepare_shards(iter_texts(docs, opts.text_column, "[training.dataloader] text_column"), tokenizer,
                                  out, source=source.name)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     print(f"prepared {source.name} with {tokenizer.identity} into {out}: {summary['documents']:,} documents,"
           f" {summary['tokens']:,} tokens in {summary['shards']} shard(s), {summary['seconds']:.1f} s"

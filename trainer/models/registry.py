@@ -138,6 +138,11 @@ def resolve_model_args(spec: ModelSpec, model_section: Model) -> Any:
             )
         if current is None and not _matches_annotation(hints.get(key), value):
             raise ConfigError(f"[model.overrides] {key}: got {value!r}, expected {_describe(hints.get(key))}")
+        if isinstance(value, int) and not isinstance(value, bool) and _wants_float(current, hints.get(key)):
+            try:
+                updates[key] = float(value)  # 3 for a float field: the model computes with a float
+            except OverflowError:
+                raise ConfigError(f"[model.overrides] {key}: {value} is beyond the float range") from None
     if model_section.tie_embeddings:
         if "tie_embeddings" not in fields:
             raise ConfigError(f"[model] tie_embeddings: model family {spec.name} does not support tied embeddings")
@@ -168,6 +173,12 @@ def _matches_annotation(hint: Any, value: Any) -> bool:
 def _describe(hint: Any) -> str:
     options = [h for h in typing.get_args(hint) if h is not type(None)] or [hint]
     return " or ".join(getattr(o, "__name__", str(o)) for o in options)
+
+
+def _wants_float(current: Any, hint: Any) -> bool:
+    if current is not None:
+        return isinstance(current, float)
+    return float in typing.get_args(hint) or hint is float
 
 
 def _same_kind(current: Any, value: Any) -> bool:

@@ -1,5 +1,6 @@
 """Llama 3 hyper-parameters and the presets selectable as ``[model] flavor``."""
 
+import math
 from dataclasses import dataclass
 
 from trainer.errors import ConfigError
@@ -35,6 +36,10 @@ class LlamaArgs:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
+MAX_SIZE = 2**31 - 1  # any one dimension
+MAX_LAYERS = 10_000
+
+
 def validate_llama_args(a: LlamaArgs) -> None:
     """One-line errors for args that cannot build a working Llama, naming the override key."""
 
@@ -46,6 +51,16 @@ def validate_llama_args(a: LlamaArgs) -> None:
             raise bad(key, "must be >= 1")
     if a.n_kv_heads is not None and a.n_kv_heads < 1:
         raise bad("n_kv_heads", "must be >= 1 (or unset for n_heads)")
+    # Ceilings far above any real model, so that an absurd value is one line here rather than an
+    # overflow inside torch or a model build that never ends (the memory check then judges sizes).
+    for key in ("dim", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_seq_len"):
+        if (getattr(a, key) or 0) > MAX_SIZE:
+            raise bad(key, f"must be <= {MAX_SIZE}")
+    if a.n_layers > MAX_LAYERS:
+        raise bad("n_layers", f"must be <= {MAX_LAYERS} (the largest published dense models have under 200)")
+    for key in ("ffn_dim_multiplier", "norm_eps", "rope_theta"):
+        if getattr(a, key) is not None and not math.isfinite(getattr(a, key)):
+            raise bad(key, "must be a finite number")
     if a.dim % a.n_heads:
         raise bad("n_heads", f"must divide dim={a.dim}")
     if (a.dim // a.n_heads) % 2:
@@ -54,6 +69,9 @@ def validate_llama_args(a: LlamaArgs) -> None:
         raise bad("n_kv_heads", f"must divide n_heads={a.n_heads} (grouped-query attention)")
     if a.ffn_dim_multiplier is not None and a.ffn_dim_multiplier <= 0:
         raise bad("ffn_dim_multiplier", "must be > 0")
+    if (a.ffn_dim_multiplier or 1.0) * 8 * a.dim / 3 > MAX_SIZE:
+        raise bad("ffn_dim_multiplier" if a.ffn_dim_multiplier else "dim",
+                  f"the feed-forward size (ffn_dim_multiplier * 8/3 * dim) must be <= {MAX_SIZE}")
     for key in ("norm_eps", "rope_theta"):
         if not getattr(a, key) > 0:
             raise bad(key, "must be > 0")
