@@ -361,6 +361,8 @@ class Checkpointer:
             self.optimizers.init_state()  # Adam's state exists only after a step; DCP loads into it
         full = self._state(step or 0)
         state = {k: v for k, v in full.items() if k in wanted}
+        if "dataloader" in state:  # every saved key: a stream's lanes were saved by the ranks that own them
+            state["dataloader"] = {k.split(".", 1)[1]: torch.tensor(0) for k in saved if k.startswith("dataloader.")}
         try:
             dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=False))
         except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException

@@ -305,3 +305,28 @@ def test_damage_without_fallback_or_in_a_named_checkpoint_stops_with_one_line(tm
     metadata.write_bytes(bytes(metadata.stat().st_size))
     with pytest.raises(UserError, match=r"step-2 is not a readable checkpoint"):
         train(args + ["--checkpoint.no-verify"], tmp_path)
+
+
+def test_streamed_data_resumes_exactly_and_on_another_batch_split(tmp_path, caplog):
+    """A hub dataset read with streaming = true (here a local folder laid out like a hub repo):
+    the lanes' positions resume bit for bit, and with accumulation instead of a wider batch."""
+    from trainer.data.sources import bundled_documents
+
+    repo = tmp_path / "hub_dataset"
+    (repo / "data").mkdir(parents=True)
+    (repo / "data" / "train-00000.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in bundled_documents()))
+    args = ["--training.dataset", str(repo), "--training.dataloader.streaming", "--validation.dataset_path",
+            str(repo / "data"), "--training.local_batch_size", "8", "--training.steps", "6", *CKPT]
+    straight = train(args, tmp_path / "straight")
+    train(args + ["--training.stop_at_step", "3"], tmp_path / "r")
+    resumed = train(args, tmp_path / "r")
+    assert resumed.losses == straight.losses[3:]
+    train(args + ["--training.stop_at_step", "3"], tmp_path / "acc")
+    accumulated = train(args + ["--training.local_batch_size", "4"], tmp_path / "acc")  # 2 microbatches of 4
+    assert accumulated.losses == pytest.approx(straight.losses[3:], rel=1e-5)
+    # Another global batch: 4 lanes instead of 8 restart at the earliest saved document (every saved
+    # lane is read back, not only the ones this run has), with a warning.
+    train(args + ["--training.stop_at_step", "3"], tmp_path / "other")
+    narrower = train(args + ["--training.local_batch_size", "4", "--training.global_batch_size", "4"],
+                     tmp_path / "other")
+    assert len(narrower.losses) == 3 and "saved with 8 lanes (windows per global batch), this run has 4" in caplog.text

@@ -60,38 +60,69 @@ def test_custom_tokenizer_file_and_corrupt_file(tmp_path, tok):
         Tokenizer(bad)
 
 
-def test_packing_is_the_concatenated_stream(tok):
-    flat = stream(tok, DOCS)
-    step = loader(tok).next_step()
-    (inputs, labels), = step
-    assert inputs.shape == labels.shape == (2, 7)
-    assert inputs[0].tolist() == flat[0:7] and labels[0].tolist() == flat[1:8]
-    assert inputs[1].tolist() == flat[8:15] and labels[1].tolist() == flat[9:16]  # windows of seq_len + 1
+def lane_windows(tok, docs, lane, lanes, count, window=8):
+    """The first ``count`` windows of a lane, from the definition: documents lane, lane + lanes, ...
+    of each epoch, concatenated epoch after epoch and cut into windows of seq_len + 1 tokens."""
+    flat = []
+    while len(flat) < count * window:
+        flat += stream(tok, docs[lane::lanes])
+    return [flat[i * window:(i + 1) * window] for i in range(count)]
 
 
-def test_epochs_wrap_around(tok):
+def rows(step):
+    """The windows (seq_len + 1 tokens) of one step's microbatches, in order."""
+    return [w for inputs, labels in step for w in torch.cat([inputs, labels[:, -1:]], 1).tolist()]
+
+
+def test_each_window_of_the_batch_is_a_lane_of_the_stream(tok):
+    ld = loader(tok)  # 2 windows per global batch: lane 0 = documents 0, 2, 4; lane 1 = documents 1, 3
+    steps = [rows(ld.next_step()) for _ in range(12)]  # crosses document and epoch boundaries
+    for lane in range(2):
+        assert [s[lane] for s in steps] == lane_windows(tok, DOCS, lane, 2, 12)
+    (inputs, labels), = loader(tok).next_step()
+    assert inputs.shape == labels.shape == (2, 7) and torch.equal(inputs[:, 1:], labels[:, :-1])
+
+
+def test_one_window_per_step_is_the_concatenated_stream_across_epochs(tok):
     flat = stream(tok, DOCS)
-    ld = loader(tok)
-    windows = []
-    for _ in range(len(flat)):  # far more windows than one epoch holds
-        windows += [m for inp, lab in ld.next_step() for m in torch.cat([inp, lab[:, -1:]], 1).tolist()]
-    joined = [t for w in windows for t in w]
+    ld = loader(tok, local_batch_size=1)
+    joined = [t for _ in range(3 * len(flat) // 8 + 1) for t in rows(ld.next_step())[0]]
     assert joined[: 3 * len(flat)] == flat * 3
 
 
+MANY = [f"{w} " * (1 + i % 7) + str(i) for i, w in enumerate(["alpha", "beta", "gamma", "delta"] * 6)]  # 24 docs
+
+
 def test_data_parallel_ranks_split_the_global_batch(tok):
-    whole = [loader(tok, local_batch_size=2, accum_steps=4).next_step() for _ in range(1)][0]
-    whole_inputs = torch.cat([x for x, _ in whole])
-    parts = []
+    whole = loader(tok, MANY, local_batch_size=2, accum_steps=4)
+    steps = [rows(whole.next_step()) for _ in range(5)]
+    for dp, local, accum in [(4, 2, 1), (2, 2, 2), (8, 1, 1), (2, 1, 4)]:
+        ranks = [loader(tok, MANY, local_batch_size=local, accum_steps=accum, dp_rank=r, dp_degree=dp)
+                 for r in range(dp)]
+        for expected in steps:
+            assert [w for ld in ranks for w in rows(ld.next_step())] == expected, (dp, local, accum)
+
+
+def test_each_rank_tokenizes_only_its_own_documents(tok):
+    """The cost lanes remove: at dp 4 a rank tokenizes only the documents of its own windows."""
+
+    class Counting(Tokenizer):
+        def encode(self, text, **kw):
+            self.seen.append(MANY.index(text))
+            return super().encode(text, **kw)
+
+    seen = []
     for rank in range(4):
-        step = loader(tok, local_batch_size=2, accum_steps=1, dp_rank=rank, dp_degree=4).next_step()
-        assert len(step) == 1
-        parts.append(step[0][0])
-    assert torch.equal(torch.cat(parts), whole_inputs)
-    # accumulation: 2 microbatches of 2 on 2 ranks cover the same 8 windows in the same order
-    r0 = loader(tok, local_batch_size=2, accum_steps=2, dp_rank=0, dp_degree=2).next_step()
-    r1 = loader(tok, local_batch_size=2, accum_steps=2, dp_rank=1, dp_degree=2).next_step()
-    assert torch.equal(torch.cat([x for x, _ in r0 + r1]), whole_inputs)
+        counting = Counting(max_ranks=300)
+        counting.seen = []
+        ld = PackedBatchLoader(datasets.Dataset.from_dict({"text": MANY}), counting, text_column="text", seq_len=7,
+                               local_batch_size=2, accum_steps=1, dp_rank=rank, dp_degree=4)
+        for _ in range(6):
+            ld.next_step()
+        assert {i % 8 for i in counting.seen} <= {2 * rank, 2 * rank + 1}  # lanes 2r and 2r + 1 only
+        seen.append(len(counting.seen))
+        assert ld.tokenized == len(counting.seen)
+    assert min(seen) > 0
 
 
 @pytest.mark.parametrize("consumed", [0, 1, 3, 7, 20])
@@ -108,17 +139,38 @@ def test_resume_is_exact(tok, consumed):
 
 
 def test_resume_across_data_parallel_degrees(tok):
-    """The position is global, so a run saved with dp=1 resumes with dp=2 on the same samples."""
-    one = loader(tok, local_batch_size=4)
-    one.next_step()
-    state = one.state_dict()
-    expected = one.next_step()[0][0]
-    halves = []
-    for rank in range(2):
-        ld = loader(tok, local_batch_size=2, dp_rank=rank, dp_degree=2)
-        ld.load_state_dict(state)
-        halves.append(ld.next_step()[0][0])
-    assert torch.equal(torch.cat(halves), expected)
+    """Positions are per lane and each rank saves its own: the union resumes on another layout."""
+    ranks = [loader(tok, MANY, local_batch_size=2, dp_rank=r, dp_degree=4) for r in range(4)]
+    for _ in range(3):
+        for ld in ranks:
+            ld.next_step()
+    state = {k: v for ld in ranks for k, v in ld.state_dict().items()}  # what the checkpoint holds
+    assert sorted(k for k in state if k.startswith("lane") and k != "lanes") == sorted(
+        f"lane{j}.{x}" for j in range(8) for x in ("epoch", "doc", "offset"))
+    expected = [w for ld in ranks for w in rows(ld.next_step())]
+    one = loader(tok, MANY, local_batch_size=4, accum_steps=2)
+    one.load_state_dict(state)
+    assert rows(one.next_step()) == expected
+
+
+def test_resume_with_another_global_batch_restarts_every_lane_without_skipping(tok, caplog):
+    ld = loader(tok, MANY, local_batch_size=4)
+    for _ in range(3):
+        ld.next_step()
+    state = ld.state_dict()
+    earliest = min((state[f"lane{j}.epoch"], state[f"lane{j}.doc"]) for j in range(4))
+    other = loader(tok, MANY, local_batch_size=2)
+    other.load_state_dict(state)
+    assert "saved with 4 lanes" in caplog.text and f"restarts at document {earliest[1]}" in caplog.text
+    first = rows(other.next_step())
+    for lane in range(2):
+        doc = earliest[1] + (lane - earliest[1]) % 2  # the lane's first document at or after the restart
+        assert first[lane] == stream(tok, MANY[doc::2])[:8]
+
+
+def test_a_stream_with_fewer_documents_than_windows_is_refused(tok):
+    with pytest.raises(UserError, match="the stream holds 5 documents, fewer than the 8 windows of a global batch"):
+        loader(tok, local_batch_size=8).next_step()
 
 
 def test_empty_and_non_text_datasets(tok):

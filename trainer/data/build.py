@@ -94,8 +94,8 @@ def build_train_loader(training: Training, tokenizer, *, dump_folder: str, seed:
     sources = _mix_sources(training)
     streamed = [s for s, _ in sources if not s.dataset_path and s.dataset != BUNDLED and opts.streaming]
     if streamed:  # a single streamed hub dataset (the mix refuses streaming at config time)
-        logger.warning("[training.dataloader] streaming = true: every rank tokenizes the whole stream (cost grows"
-                       " with the data-parallel degree; resume is exact). Prepare the data for large jobs.")
+        logger.info("[training.dataloader] streaming = true: each rank tokenizes the documents of its own windows"
+                    " (and reads every row to find them)")
         return PackedBatchLoader(
             load_documents(sources[0][0], opts), tokenizer, text_column=opts.text_column, seq_len=training.seq_len,
             local_batch_size=training.local_batch_size, accum_steps=accum_steps, dp_rank=dp_rank, dp_degree=dp_degree)
