@@ -249,3 +249,15 @@ def test_prepare_command(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "trainer.data.prepare", str(tmp_path / "x"), "--training.dataset_path",
                               str(tmp_path / "nope.jsonl")], capture_output=True, text=True)
     assert missing.returncode == 2 and "dataset_path" in missing.stderr and "Traceback" not in missing.stderr
+    # --verify: every token file against the sha256 recorded at preparation; a flipped bit that keeps
+    # the size (which a run's start-up check cannot see) is named in one line.
+    verify = [sys.executable, "-m", "trainer.data.prepare", "--verify", str(out)]
+    ok = subprocess.run(verify, capture_output=True, text=True)
+    assert ok.returncode == 0 and "every sha256 as prepared" in ok.stdout, ok.stderr
+    tokens = out / "tokens-00000.bin"
+    data = bytearray(tokens.read_bytes())
+    data[len(data) // 2] ^= 1
+    tokens.write_bytes(bytes(data))
+    bad = subprocess.run(verify, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--verify: shard file" in bad.stderr and "tokens-00000.bin has other contents than when it was prepared" in bad.stderr

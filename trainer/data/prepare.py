@@ -1,6 +1,7 @@
 """Tokenize a dataset into token shards, once, before training.
 
     python -m trainer.data.prepare OUTPUT_FOLDER --job.config_file configs/my_job.toml [--section.key value ...]
+    python -m trainer.data.prepare --verify FOLDER      # check every shard file against its recorded sha256
 
 Reads the dataset named by the job's ``[training]`` keys (``dataset``, ``dataset_path``,
 ``[training.dataloader]`` split/subset/text_column; hub datasets are downloaded, not streamed),
@@ -15,13 +16,16 @@ from dataclasses import replace
 
 from trainer.errors import UserError, one_line
 
-USAGE = "usage: python -m trainer.data.prepare OUTPUT_FOLDER [--validation] [--job.config_file FILE] [--section.key value ...]"
+USAGE = ("usage: python -m trainer.data.prepare OUTPUT_FOLDER [--validation] [--job.config_file FILE] [--section.key"
+         " value ...]\n       python -m trainer.data.prepare --verify FOLDER")
 
 
 def run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] == "--verify":
+        return _verify(argv[1:])
     out, rest = argv[0], argv[1:]
     validation = "--validation" in rest
     rest = [a for a in rest if a != "--validation"]
@@ -53,6 +57,22 @@ def run(argv: list[str]) -> int:
     print(f"prepared {source.name} with {tokenizer.identity} into {out}: {summary['documents']:,} documents,"
           f" {summary['tokens']:,} tokens in {summary['shards']} shard(s), {summary['seconds']:.1f} s"
           f" ({summary['tokens_per_second']:,.0f} tokens/s)")
+    return 0
+
+
+def _verify(folders: list[str]) -> int:
+    if len(folders) != 1:
+        print(USAGE, file=sys.stderr)
+        return 2
+    from trainer.data.shards import TokenShards
+
+    try:
+        shards = TokenShards(folders[0], key="--verify")
+        shards.verify()
+    except UserError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
+    print(f"{folders[0]}: {len(shards.shards)} shard file(s), {shards.num_tokens:,} tokens, every sha256 as prepared")
     return 0
 
 

@@ -92,6 +92,18 @@ class TokenShards:
         if self.num_tokens == 0:
             raise UserError(f"{key}: {self.folder} holds no tokens (the dataset is empty)")
 
+    def verify(self) -> None:
+        """Hash every token file against the sha256 the index recorded at preparation (reads the whole
+        dataset once: run ``python -m trainer.data.prepare --verify FOLDER`` after copying data, not
+        at every start, where only the sizes are checked)."""
+        for shard in self.shards:
+            path = self.folder / shard.tokens
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            if digest != shard.sha256:
+                raise UserError(f"{self.key}: shard file {path} has other contents than when it was prepared"
+                                f" (sha256 {digest[:12]}..., {INDEX} says {shard.sha256[:12]}...)")
+
     def check_tokenizer(self, identity: str, vocab_size: int) -> None:
         """Refuse shards made by another tokenizer: token ids would mean other text."""
         if identity != self.tokenizer_identity or vocab_size != self.vocab_size:
