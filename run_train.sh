@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# Launch training with torchrun on this machine.
+# Launch training with torchrun, on this machine or on several nodes.
 #   NGPU=4 CONFIG_FILE=configs/llama3_8b.toml ./run_train.sh --training.steps 10
+#   NNODES=2 NGPU=8 RDZV_ENDPOINT=node0:29500 ./run_train.sh ...    # the same command on every node
 # Environment knobs:
-#   NGPU         processes to start (default 1; works without a GPU: CPU processes talk over gloo)
-#   CONFIG_FILE  TOML job file (default configs/debug_model.toml)
-#   LOG_RANK     comma-separated ranks whose output is shown (default: all)
+#   NGPU           processes to start on this node (default 1; works without a GPU: CPU processes talk over gloo)
+#   CONFIG_FILE    TOML job file (default configs/debug_model.toml)
+#   LOG_RANK       comma-separated local ranks whose output is shown (default: all)
+#   NNODES         nodes in the job (default 1: a standalone job on this machine)
+#   RDZV_ENDPOINT  host:port every node can reach, for torchrun's c10d rendezvous (default
+#                  MASTER_ADDR:MASTER_PORT; required when NNODES > 1)
+#   RDZV_ID        job id shared by the nodes of one job (default SLURM_JOB_ID, else "trainer")
 # Everything else on the command line is forwarded to train.py as config overrides.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 NGPU=${NGPU:-1}
+NNODES=${NNODES:-1}
 CONFIG_FILE=${CONFIG_FILE:-./configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-}
 PYTHON=${PYTHON:-python}
@@ -18,17 +24,36 @@ if ! [[ "$NGPU" =~ ^[1-9][0-9]*$ ]]; then
     echo "error: NGPU=$NGPU: expected a positive number of processes (e.g. NGPU=4)" >&2
     exit 2
 fi
+if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: NNODES=$NNODES: expected a positive number of nodes (e.g. NNODES=2)" >&2
+    exit 2
+fi
 if [ ! -f "$CONFIG_FILE" ]; then
     echo "error: CONFIG_FILE=$CONFIG_FILE: file not found" >&2
     exit 2
 fi
 
-# Check the config before any process is started: a bad key fails here with one line.
-WORLD_SIZE="$NGPU" "$PYTHON" train.py --job.config_file "$CONFIG_FILE" "$@" --print-config > /dev/null
+if [ "$NNODES" = 1 ]; then
+    rendezvous=(--standalone)
+else
+    endpoint=${RDZV_ENDPOINT:-}
+    if [ -z "$endpoint" ] && [ -n "${MASTER_ADDR:-}" ]; then
+        endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}"
+    fi
+    if ! [[ "$endpoint" =~ ^[^:[:space:]]+:[0-9]+$ ]]; then
+        echo "error: NNODES=$NNODES needs RDZV_ENDPOINT=host:port (or MASTER_ADDR and MASTER_PORT) that every node" \
+             "can reach; got '${endpoint}'" >&2
+        exit 2
+    fi
+    rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
+                --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-trainer}}")
+fi
 
 filter=()
 if [ -n "$LOG_RANK" ]; then
     filter=(--local-ranks-filter "$LOG_RANK")
 fi
-exec "$PYTHON" -m trainer.launch --standalone --nproc_per_node="$NGPU" "${filter[@]}" --role rank --tee 3 \
-    train.py --job.config_file "$CONFIG_FILE" "$@"
+# --check-config: the launcher checks the config and job plan for NNODES x NGPU ranks before it
+# starts any process (a bad key fails here with one line), sharing its torch import with torchrun.
+exec "$PYTHON" -m trainer.launch --check-config "${rendezvous[@]}" --nproc-per-node="$NGPU" "${filter[@]}" \
+    --role rank --tee 3 train.py --job.config_file "$CONFIG_FILE" "$@"

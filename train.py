@@ -2,7 +2,7 @@
 
 Parses the config, then calls ``trainer.train.main``. User errors print one line and exit 2.
 ``--print-config`` and ``--dry-run`` build the job plan too, so they report every error a run
-would (``run_train.sh`` runs ``--print-config`` with WORLD_SIZE set before launching anything).
+would (``run_train.sh`` has its launcher check the same before starting any process).
 """
 
 import os
@@ -20,12 +20,12 @@ def run(argv: list[str]) -> int:
             print(help_text())
             return 0
         if invocation.action in ("print-config", "dry-run"):
-            from trainer.plan import build_job_plan
+            from trainer.plan import build_job_plan, degrees_product
 
             env_world = os.environ.get("WORLD_SIZE", "")
             world_size = invocation.world_size or (int(env_world) if env_world.isdigit() else None)
             # The dry run plans for other machines: no check against this one's memory.
-            plan = build_job_plan(invocation.config, world_size or _degrees_product(invocation.config),
+            plan = build_job_plan(invocation.config, world_size or degrees_product(invocation.config),
                                   check_memory=invocation.action == "print-config")
             if invocation.action == "print-config":
                 print(to_toml(invocation.config), end="")
@@ -59,14 +59,6 @@ def _lost_peer(e: Exception) -> bool:
     text = str(e)
     return isinstance(e, RuntimeError) and any(
         marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
-
-
-def _degrees_product(config) -> int:
-    """World size implied by the degrees when none is given (data_parallel_shard_degree -1 counts as 1)."""
-    p = config.parallelism
-    shard = max(p.data_parallel_shard_degree, 1)
-    return (p.data_parallel_replicate_degree * shard * p.context_parallel_degree * p.tensor_parallel_degree
-            * p.pipeline_parallel_degree)
 
 
 if __name__ == "__main__":

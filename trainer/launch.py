@@ -1,8 +1,13 @@
-"""torchrun without the traceback: ``python -m trainer.launch [torchrun args] train.py ...``.
+"""torchrun without the traceback: ``python -m trainer.launch [--check-config] [torchrun args] train.py ...``.
 
 torchrun raises ChildFailedError (and prints its stack) whenever a worker exits non-zero,
 even when the worker already printed a clear one-line user error. This wrapper runs the same
 launcher, and on failure prints one line naming the failed ranks and exits with their status.
+
+``--check-config`` (what ``run_train.sh`` passes) first checks train.py's config and job plan in
+this process, for the job's world size (nodes x processes per node): a bad key or an impossible
+layout is one line and exit 2 before any worker starts, and the check shares the launcher's torch
+import instead of paying for a second interpreter.
 """
 
 import sys
@@ -12,7 +17,10 @@ from torch.distributed.run import get_args_parser, run
 
 
 def main(argv: list[str]) -> int:
-    args = get_args_parser().parse_args(argv)
+    check = bool(argv) and argv[0] == "--check-config"
+    args = get_args_parser().parse_args(argv[1:] if check else argv)
+    if check and (code := check_config(args)):
+        return code
     try:
         run(args)
     except ChildFailedError as e:
@@ -20,6 +28,29 @@ def main(argv: list[str]) -> int:
         # torchrun stops the other ranks (SIGTERM, status -15) once one fails: 2 from any rank
         # means a user error was reported.
         return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
+    return 0
+
+
+def check_config(args) -> int:
+    """0 when train.py's arguments make a job that can be planned on nnodes x nproc_per_node ranks;
+    otherwise print the one-line error and return 2."""
+    from trainer.config import parse_args
+    from trainer.env import device_type
+    from trainer.errors import UserError, one_line
+    from trainer.plan import build_job_plan, degrees_product
+
+    try:
+        invocation = parse_args(args.training_script_args)
+        if invocation.action == "train":
+            nodes, per_node = str(args.nnodes), str(args.nproc_per_node)
+            world = int(nodes) * int(per_node) if nodes.isdigit() and per_node.isdigit() else None
+            # Memory is checked against this machine's device only on CPU: asking CUDA here would start
+            # it in the launcher; the workers check it when they plan.
+            build_job_plan(invocation.config, world or degrees_product(invocation.config),
+                           check_memory=device_type() != "cuda")
+    except UserError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -172,6 +172,13 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     return plan
 
 
+def degrees_product(config: JobConfig) -> int:
+    """World size implied by the degrees when none is given (data_parallel_shard_degree -1 counts as 1)."""
+    p = config.parallelism
+    return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1) * p.context_parallel_degree
+            * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+
+
 def device_memory_bytes() -> int:
     """Memory of one device of this machine: the first accelerator's, or the machine's RAM."""
     from trainer.env import device_type

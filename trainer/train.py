@@ -225,7 +225,9 @@ def check_same_data(meshes: Meshes, fingerprint: str) -> None:
     digest = int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.long, device=meshes.world.device_type)
     everyone = torch.empty(dist.get_world_size(), dtype=torch.long, device=mine.device)
-    dist.all_gather_into_tensor(everyone, mine)
+    # all_gather_single where torch has it (2.13 deprecates all_gather_into_tensor for it)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(everyone, mine)
     differ = [r for r, d in enumerate(everyone.tolist()) if d != everyone[0].item()]
     if differ:
         raise UserError(f"[training] dataset: ranks {differ} opened other data or another tokenizer than rank 0"

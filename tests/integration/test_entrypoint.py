@@ -110,3 +110,49 @@ def test_readme_dry_run_plans_8b_on_64_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "pp 4 = 64 ranks" in proc.stdout and "1F1B, 4 stages, 1 per rank" in proc.stdout
     assert "expected bubble 27.3%" in proc.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_reproduce_one_process(tmp_path):
+    """Two run_train.sh launches with NNODES=2 (one process each) meet at a localhost c10d
+    rendezvous and train FSDP over the two "nodes": the losses are those of one process."""
+    from tests.distributed.harness import PARITY
+    from trainer.config import load_config
+    from trainer.train import main
+
+    dump = tmp_path / "two_nodes"
+    args = [*PARITY, "--training.local_batch_size", "4", "--metrics.enable_tensorboard", "--job.dump_folder", str(dump)]
+    env = {**ENV, "NNODES": "2", "NGPU": "1", "RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "RDZV_ID": "two-nodes",
+           "HF_DATASETS_OFFLINE": "1"}
+    nodes = [subprocess.Popen(["./run_train.sh", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(out[-3000:] for out in outputs)
+    # one world of two ranks, one in each launch; the reporting rank's launch prints the job line
+    assert sum("= 2 ranks" in out for out in outputs) == 1
+    events = EventAccumulator(str(dump / "tb"))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("loss")]
+    one = main(load_config(REPO / "configs" / "debug_model.toml", [*PARITY, "--training.local_batch_size", "8",
+                                                                   "--job.dump_folder", str(tmp_path / "one")]))
+    assert len(losses) == 3 and losses == pytest.approx(one.losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NNODES": "two"}, "NNODES=two: expected a positive number of nodes"),
+    ({"NNODES": "2"}, "NNODES=2 needs RDZV_ENDPOINT=host:port (or MASTER_ADDR and MASTER_PORT)"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "node0"}, "got 'node0'"),
+])
+def test_run_train_sh_refuses_an_incomplete_multi_node_setup(env, message):
+    clean = {k: v for k, v in ENV.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT")}
+    proc = launch(["./run_train.sh"], env={**clean, **env})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {proc.stderr.strip()[7:]}"]
+    assert message in proc.stderr

@@ -54,10 +54,17 @@ def open_source(source: Source, opts: DataLoader, tokenizer, *, cache: Path, wai
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 logger.info("preparing %s into %s", source.name, folder)
                 docs = load_documents(source, opts)
-                summary = prepare_shards(iter_texts(docs, opts.text_column, "[training.dataloader] text_column"),
-                                         tokenizer, folder, source=source.name)
-                logger.info("prepared %s: %d documents, %d tokens in %.1f s (%.0f tokens/s)", source.name,
-                            summary["documents"], summary["tokens"], summary["seconds"], summary["tokens_per_second"])
+                try:
+                    summary = prepare_shards(iter_texts(docs, opts.text_column, "[training.dataloader] text_column"),
+                                             tokenizer, folder, source=source.name)
+                    logger.info("prepared %s: %d documents, %d tokens in %.1f s (%.0f tokens/s)", source.name,
+                                summary["documents"], summary["tokens"], summary["seconds"],
+                                summary["tokens_per_second"])
+                except UserError:
+                    if not (folder / INDEX).is_file():
+                        raise
+                    # Another node's local rank 0 published it first (a dump folder shared by the nodes).
+                    logger.info("%s was prepared by another node meanwhile; using it", folder)
             else:
                 _wait_for(folder / INDEX, wait_seconds, source)
         shards = TokenShards(folder, key=source.path_key)

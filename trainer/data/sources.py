@@ -3,11 +3,13 @@
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from trainer.config.schema import DataLoader, Training
 from trainer.errors import UserError
+
+if TYPE_CHECKING:
+    import datasets
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +71,10 @@ def _split_error(source: Source, e: Exception, what: str) -> UserError:
                      f" 'train[:90%]' work): {first[:200]}")
 
 
-def load_documents(source: Source, opts: DataLoader) -> datasets.Dataset | datasets.IterableDataset:
+def load_documents(source: Source, opts: DataLoader) -> "datasets.Dataset | datasets.IterableDataset":
     """The documents of ``source``, read with ``[training.dataloader]`` options (``text_column``, ``subset``, ...)."""
+    import datasets  # ~0.6 s: paid only when documents are read (a run on prepared or cached data never is)
+
     if source.dataset_path:
         path = Path(source.dataset_path)
         if not path.exists():

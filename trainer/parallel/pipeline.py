@@ -6,16 +6,18 @@ does not own removed, so parameter names are those of the whole model.
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, schedules
-from torch.distributed.pipelining.schedules import _PipelineSchedule, _PipelineScheduleRuntime
 
 from trainer.config.schedules import SCHEDULES
 from trainer.models import ModelSpec
 from trainer.parallel.pipeline_split import PipelinePlan, Stage
+
+if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo (~0.5 s): only jobs with pp > 1 pay it
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +48,21 @@ def build_schedule(
     n_microbatches: int,
     loss_fn: Callable,
     csv_path: str = "",
-) -> _PipelineSchedule:
+) -> "_PipelineSchedule":
     """PipelineStages for this rank's chunks, driven by the configured schedule.
 
     ``scale_grads=False``: the step divides gradients by its global token count itself, so the
     schedule must not divide by the number of microbatches as well.
     """
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     group = pp_mesh.get_group()
     stages = [
         PipelineStage(chunk, stage_index=sid, num_stages=plan.num_stages, device=device, group=group)
         for chunk, sid in zip(chunks, stage_ids)
     ]
     if plan.schedule == "csv":
-        schedule = _PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         schedule._load_csv(csv_path)
         return schedule
     traits = SCHEDULES[plan.schedule]
@@ -68,7 +72,7 @@ def build_schedule(
     return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-def run_schedule(schedule: _PipelineSchedule, inputs: torch.Tensor, labels: torch.Tensor, *,
+def run_schedule(schedule: "_PipelineSchedule", inputs: torch.Tensor, labels: torch.Tensor, *,
                  has_first: bool, has_last: bool) -> list[torch.Tensor]:
     """One forward/backward over a batch; returns the per-microbatch losses (last stage only)."""
     losses: list[torch.Tensor] = []
