@@ -34,8 +34,9 @@ from trainer.model_parts import ModelParts, build_model_parts, summed_loss
 from trainer.optim import ChunkOptimizers
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
-from trainer.parallel.pipeline import run_schedule
+from trainer.parallel.pipeline import run_schedule, schedule_stages
 from trainer.plan import JobPlan, build_job_plan
+from trainer.profiling import PipelineTimeline
 from trainer.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class TrainResult:
     lrs: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)  # seconds, data loading included
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
+    pipeline_bubbles: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> pp rank -> measured bubble
 
 
 class StepObserver(Protocol):
@@ -78,6 +80,7 @@ class Trainer:
     autocast: Callable[[], contextlib.AbstractContextManager]
     step_context: Callable[[], contextlib.AbstractContextManager]
     """Entered around each microbatch's forward and backward: loss parallelism, context-parallel attention."""
+    timeline: PipelineTimeline | None = None
 
 
 def train_step(
@@ -211,8 +214,15 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         loader=loader, spec=plan.spec, model_args=plan.model_args, pp_rank=pp_rank, pp=dims.pp,
         hf_writer=not dist.is_initialized() or dist.get_rank() % (dims.world_size // dims.pp) == 0,
     )
+    timeline = None
+    if config.profiling.pipeline_timeline_steps and parts.schedule is not None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        timeline = PipelineTimeline(config.profiling.pipeline_timeline_steps,
+                                    Path(config.job.dump_folder) / config.profiling.save_traces_folder,
+                                    rank=rank, pp_rank=pp_rank, writer=rank == 0)
+        timeline.attach(schedule_stages(parts.schedule))
     return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
-                   step_context)
+                   step_context, timeline)
 
 
 def check_same_data(meshes: Meshes, fingerprint: str) -> None:
@@ -250,6 +260,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             lr = run.optimizers.lr
             start = time.perf_counter()
             microbatches = [(x.to(run.device), y.to(run.device)) for x, y in run.loader.next_step()]
+            if run.timeline is not None:
+                run.timeline.begin_step(step)
             if run.parts.cp is not None:  # this rank's part of each sequence
                 microbatches = [(run.parts.cp.shard(x), run.parts.cp.shard(y)) for x, y in microbatches]
             loss, grad_norm = train_step(
@@ -266,6 +278,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             run.optimizers.lr_step()
             loss_value, norm_value = loss.item(), grad_norm.item()  # .item() waits for the device
             result.step_times.append(time.perf_counter() - start)
+            if run.timeline is not None and (bubbles := run.timeline.end_step(step)) is not None:
+                result.pipeline_bubbles[step] = bubbles
             if not math.isfinite(loss_value):  # the loss is all-reduced: every rank stops here
                 raise TrainingDiverged(
                     f"loss is {loss_value} at step {step}; lower [optimizer] lr or [training] max_norm"

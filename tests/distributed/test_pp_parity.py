@@ -88,7 +88,31 @@ def test_pipeline_matches_single_process(name, references, tmp_path):
         rows = [",".join(str(a) for a in rank if a is not None) for rank in schedule_ops("Interleaved1F1B", 2, 8, 2)]
         csv.write_text("\n".join(rows) + "\n")
         overrides = [str(csv) if o == "{csv}" else o for o in overrides]
+    timed = name == "pp2-ZBVZeroBubble"  # this launch also records the measured timeline of step 2
+    if timed:
+        overrides = overrides + ["--profiling.pipeline_timeline_steps", "2"]
     reference, tensors = references(layers, TIED in overrides)
     result = run_layout(nproc, layers + overrides, tmp_path)
     assert_parity(name, result, reference, tensors)
     assert result["losses"][-1] < result["losses"][0]
+    if timed:
+        check_timeline(tmp_path / "dump" / "profile_traces" / "pipeline_timeline_step2.json", "ZBVZeroBubble",
+                       pp=2, n_micro=8)
+
+
+def check_timeline(path, schedule, *, pp, n_micro):
+    """Every action the schedule gives each rank is in the trace once, on that rank, and a rank's
+    actions never overlap in time."""
+    import json
+
+    from trainer.parallel.schedule_sim import _flatten, schedule_ops
+
+    trace = json.loads(path.read_text())
+    expected = [sorted(f"{s}{k}{m}" for a in rank for k, s, m in _flatten(a))
+                for rank in schedule_ops(schedule, pp, n_micro, 2)]
+    for rank in range(pp):
+        spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
+                       if e["ph"] == "X" and e["pid"] == rank)
+        assert sorted(name for _, _, name in spans) == expected[rank]
+        assert all(end <= nxt for (_, end, _), (nxt, _, _) in zip(spans, spans[1:])), spans
+    assert set(trace["otherData"]["bubble"]) == {"0", "1"}

@@ -293,6 +293,14 @@ class Debug:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Profiling:
+    save_traces_folder: str = "profile_traces"
+    """Folder for traces, relative to the dump folder."""
+    pipeline_timeline_steps: list[int] = field(default_factory=list)
+    """Steps whose pipeline actions (F, B, I, W of each stage and microbatch) every rank times; merged into <save_traces_folder>/pipeline_timeline_step<N>.json (Chrome/Perfetto trace), with each pipeline rank's measured bubble logged. Pipelined jobs only."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -307,3 +315,4 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
+    profiling: Profiling = field(default_factory=Profiling)

@@ -24,6 +24,16 @@ def validate_config(config: JobConfig) -> None:
     _check_files(config)
     _check_folders(config)
     _check_data(config)
+    _check_profiling(config)
+
+
+def _check_profiling(config: JobConfig) -> None:
+    steps = config.profiling.pipeline_timeline_steps
+    bad = [s for s in steps if not 1 <= s]
+    if bad:
+        raise ConfigError(f"[profiling] pipeline_timeline_steps: {bad[0]} is not a step (steps count from 1)")
+    if steps and config.parallelism.pipeline_parallel_degree == 1:
+        logger.warning("[profiling] pipeline_timeline_steps set but pipeline_parallel_degree=1: no pipeline to time")
 
 
 def warmup_steps(lr_scheduler: LRScheduler, steps: int) -> int:

@@ -72,6 +72,12 @@ def build_schedule(
     return cls(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
+def schedule_stages(schedule: "_PipelineSchedule") -> list:
+    """The PipelineStages a schedule drives on this rank (torch keeps them privately: one or a list)."""
+    stages = getattr(schedule, "_stages", None)
+    return list(stages) if stages is not None else [schedule._stage]
+
+
 def run_schedule(schedule: "_PipelineSchedule", inputs: torch.Tensor, labels: torch.Tensor, *,
                  has_first: bool, has_last: bool) -> list[torch.Tensor]:
     """One forward/backward over a batch; returns the per-microbatch losses (last stage only)."""

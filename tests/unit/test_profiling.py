@@ -1,0 +1,60 @@
+"""Pipeline timelines: what is recorded per action, how ranks are merged, the measured bubble."""
+
+import json
+
+import pytest
+
+from trainer.profiling import PipelineTimeline, merge_timeline
+
+
+class FakeStage:
+    stage_index = 3
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        return "out"
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        return None
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        return None
+
+
+def test_each_action_is_recorded_with_its_kind_stage_and_microbatch(tmp_path):
+    stage = FakeStage()
+    timeline = PipelineTimeline([2], tmp_path, rank=0, pp_rank=0, writer=True)
+    timeline.attach([stage])
+    timeline.begin_step(1)  # not a chosen step: nothing recorded
+    assert stage.forward_one_chunk(0, ()) == "out"
+    assert timeline.end_step(1) is None and not list(tmp_path.iterdir())
+    timeline.begin_step(2)
+    stage.forward_one_chunk(5, ())
+    stage.backward_one_chunk(5, full_backward=False)  # as zero-bubble schedules call it: the input gradient
+    stage.backward_weight_one_chunk(5)
+    stage.backward_one_chunk(4, None, True)  # a full backward, positional
+    bubbles = timeline.end_step(2)
+    trace = json.loads((tmp_path / "pipeline_timeline_step2.json").read_text())
+    actions = [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert actions == ["3F5", "3I5", "3W5", "3B4"]
+    assert set(bubbles) == {0} and 0 <= bubbles[0] < 1
+    assert [p.name for p in tmp_path.iterdir()] == ["pipeline_timeline_step2.json"]  # rank parts removed
+
+
+def test_merge_places_ranks_on_one_clock_and_measures_each_pipeline_ranks_bubble():
+    def ev(kind, start, end, stage=0, mb=0):
+        return {"kind": kind, "stage": stage, "mb": mb, "start_ns": start, "end_ns": end}
+
+    ranks = [
+        {"rank": 0, "pp_rank": 0, "events": [ev("F", 1000, 11000), ev("B", 21000, 31000)]},
+        {"rank": 1, "pp_rank": 1, "events": [ev("F", 11000, 16000, stage=1), ev("B", 16000, 21000, stage=1)]},
+        {"rank": 2, "pp_rank": 1, "events": [ev("F", 11000, 12000, stage=1)]},  # a TP peer of rank 1: not counted
+    ]
+    trace, bubbles = merge_timeline(ranks, step=7)
+    # span 1000..31000 ns = 30 us; rank 0 busy 20 us, pp rank 1 (rank 1) busy 10 us
+    assert bubbles == pytest.approx({0: 1 / 3, 1: 2 / 3})
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["name"], e["ts"], e["dur"]) for e in x[:3]] == [
+        (0, "0F0", 0.0, 10.0), (0, "0B0", 20.0, 10.0), (1, "1F0", 10.0, 5.0)]
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {0: "rank 0 (pp rank 0)", 1: "rank 1 (pp rank 1)", 2: "rank 2 (pp rank 1)"}
+    assert trace["otherData"]["step"] == 7 and trace["otherData"]["span_us"] == 30.0
