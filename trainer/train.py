@@ -36,7 +36,7 @@ from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
 from trainer.parallel.pipeline import run_schedule, schedule_stages
 from trainer.plan import JobPlan, build_job_plan
-from trainer.profiling import PipelineTimeline
+from trainer.profiling import PipelineTimeline, StepProfiler
 from trainer.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class Trainer:
     step_context: Callable[[], contextlib.AbstractContextManager]
     """Entered around each microbatch's forward and backward: loss parallelism, context-parallel attention."""
     timeline: PipelineTimeline | None = None
+    profiler: StepProfiler | None = None
 
 
 def train_step(
@@ -221,8 +222,12 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
                                     Path(config.job.dump_folder) / config.profiling.save_traces_folder,
                                     rank=rank, pp_rank=pp_rank, writer=rank == 0)
         timeline.attach(schedule_stages(parts.schedule))
+    profiler = None
+    if config.profiling.enable_profiling or config.profiling.enable_memory_snapshot:
+        profiler = StepProfiler(config.profiling, config.job.dump_folder,
+                                rank=dist.get_rank() if dist.is_initialized() else 0, device=device)
     return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
-                   step_context, timeline)
+                   step_context, timeline, profiler)
 
 
 def check_same_data(meshes: Meshes, fingerprint: str) -> None:
@@ -280,6 +285,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             result.step_times.append(time.perf_counter() - start)
             if run.timeline is not None and (bubbles := run.timeline.end_step(step)) is not None:
                 result.pipeline_bubbles[step] = bubbles
+            if run.profiler is not None:
+                run.profiler.step(step)
             if not math.isfinite(loss_value):  # the loss is all-reduced: every rank stops here
                 raise TrainingDiverged(
                     f"loss is {loss_value} at step {step}; lower [optimizer] lr or [training] max_norm"
@@ -311,6 +318,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
     finally:
         if watchdog is not None:
             watchdog.stop()
+        if run.profiler is not None:
+            run.profiler.stop()
         gc.enable()
         run.metrics.close()
         run.loader.close()

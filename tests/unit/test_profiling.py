@@ -58,3 +58,27 @@ def test_merge_places_ranks_on_one_clock_and_measures_each_pipeline_ranks_bubble
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert names == {0: "rank 0 (pp rank 0)", 1: "rank 1 (pp rank 1)", 2: "rank 2 (pp rank 1)"}
     assert trace["otherData"]["step"] == 7 and trace["otherData"]["span_us"] == 30.0
+
+
+def test_torch_profiler_traces_the_chosen_steps_of_a_run(tmp_path):
+    from tests.distributed.harness import PARITY
+    from trainer.config import load_config
+    from trainer.train import main
+
+    main(load_config(overrides=[*PARITY, "--training.steps", "4", "--training.local_batch_size", "8",
+                                "--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                                "--profiling.profiler_warmup", "0", "--job.dump_folder", str(tmp_path)]))
+    traces = tmp_path / "profile_traces"
+    assert sorted(p.name for p in traces.iterdir()) == ["iteration_2", "iteration_4"]  # the last step of each 2
+    events = json.loads((traces / "iteration_4" / "rank0_trace.json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("ProfilerStep#") for n in names) and "aten::mm" in names
+
+
+def test_profiler_window_must_fit_its_period():
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"profiler_warmup=2 \+ profiler_active=1 must fit in profile_freq=2 steps"):
+        load_config(overrides=["--profiling.enable_profiling", "--profiling.profile_freq", "2",
+                               "--profiling.profiler_warmup", "2"])

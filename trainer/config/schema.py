@@ -294,8 +294,20 @@ class Debug:
 
 @dataclass(frozen=True, kw_only=True)
 class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces (CPU and device kernels) of some steps, one Chrome trace per rank."""
     save_traces_folder: str = "profile_traces"
     """Folder for traces, relative to the dump folder."""
+    profile_freq: Annotated[int, Positive] = 10
+    """With enable_profiling: profile the last profiler_active steps of every profile_freq steps."""
+    profiler_warmup: Annotated[int, NonNegative] = 1
+    """Steps the profiler runs untraced before its active steps (its start-up cost stays out of the trace)."""
+    profiler_active: Annotated[int, Positive] = 1
+    """Steps traced in each profile_freq window."""
+    enable_memory_snapshot: bool = False
+    """On CUDA: record allocations and dump a memory snapshot every profile_freq steps (view at pytorch.org/memory_viz)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Folder for memory snapshots, relative to the dump folder."""
     pipeline_timeline_steps: list[int] = field(default_factory=list)
     """Steps whose pipeline actions (F, B, I, W of each stage and microbatch) every rank times; merged into <save_traces_folder>/pipeline_timeline_step<N>.json (Chrome/Perfetto trace), with each pipeline rank's measured bubble logged. Pipelined jobs only."""
 

@@ -28,6 +28,12 @@ def validate_config(config: JobConfig) -> None:
 
 
 def _check_profiling(config: JobConfig) -> None:
+    prof = config.profiling
+    if prof.enable_profiling and prof.profiler_warmup + prof.profiler_active > prof.profile_freq:
+        raise ConfigError(
+            f"[profiling] profiler_warmup={prof.profiler_warmup} + profiler_active={prof.profiler_active} must fit in"
+            f" profile_freq={prof.profile_freq} steps"
+        )
     steps = config.profiling.pipeline_timeline_steps
     bad = [s for s in steps if not 1 <= s]
     if bad:
