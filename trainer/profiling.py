@@ -88,9 +88,13 @@ class StepProfiler:
 class PipelineTimeline:
     """Records this rank's pipeline actions for the chosen steps and merges every rank's on one rank."""
 
-    def __init__(self, steps: list[int], folder: Path, *, rank: int, pp_rank: int, writer: bool):
+    def __init__(self, steps: list[int], folder: Path, *, rank: int, pp_rank: int, writer: bool,
+                 schedule: tuple[str, int, int, int] | None = None):
+        """``schedule`` = (name, pp, microbatches, stages per rank): the simulated timeline drawn next
+        to the measured one (None for a CSV schedule: measured only)."""
         self.steps, self.folder = set(steps), Path(folder)
         self.rank, self.pp_rank, self.writer = rank, pp_rank, writer
+        self.schedule = schedule
         self.events: list[dict] | None = None  # recording when not None
 
     def attach(self, stages) -> None:
@@ -142,6 +146,12 @@ class PipelineTimeline:
             path.unlink()
         trace, bubbles = merge_timeline(ranks, step)
         (self.folder / f"pipeline_timeline_step{step}.json").write_text(json.dumps(trace))
+        simulated = None
+        if self.schedule is not None:
+            from trainer.parallel.schedule_sim import simulated_spans
+
+            simulated = simulated_spans(*self.schedule)
+        (self.folder / f"pipeline_timeline_step{step}.svg").write_text(timeline_svg(trace, simulated, step))
         logger.info("pipeline timeline of step %d: %s; measured bubble %s", step,
                     self.folder / f"pipeline_timeline_step{step}.json",
                     ", ".join(f"pp rank {p} {100 * b:.1f}%" for p, b in sorted(bubbles.items())))
@@ -168,3 +178,49 @@ def merge_timeline(ranks: list[dict], step: int) -> tuple[dict, dict[int, float]
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"step": step, "span_us": span / 1e3, "bubble": {str(p): b for p, b in bubbles.items()}}}, \
         bubbles
+
+
+_COLORS = {"F": "#4e79a7", "B": "#e15759", "I": "#f28e2b", "W": "#59a14f"}
+
+
+def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int) -> str:
+    """A picture of the measured timeline (one row per pipeline rank, its first rank standing for its
+    TP/FSDP peers) above the simulated one (F = 1, B = 2, I = W = 1, no communication), each
+    scaled to its own span. Each box is one action, labelled like a CSV cell (stage, kind, microbatch)."""
+    width, row, left, gap = 1000, 22, 70, 36
+    rows: dict[int, list[tuple]] = {}
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    seen_pp: dict[int, int] = {}
+    for pid, name in sorted(names.items()):
+        pp_rank = int(name.rsplit("pp rank ", 1)[1].rstrip(")"))
+        seen_pp.setdefault(pp_rank, pid)
+    for pp_rank, pid in seen_pp.items():
+        rows[pp_rank] = [(e["cat"], e["args"]["stage"], e["args"]["microbatch"], e["ts"], e["ts"] + e["dur"])
+                         for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid]
+    panels = [(f"measured, step {step} ({trace['otherData']['span_us'] / 1e3:.1f} ms)", rows)]
+    if simulated:
+        sim_rows: dict[int, list[tuple]] = {}
+        for r, kind, stage, mb, start, end in simulated:
+            sim_rows.setdefault(r, []).append((kind, stage, mb, start, end))
+        panels.append(("simulated (F = 1, B = 2, I = W = 1 unit; no communication)", sim_rows))
+    height = sum(gap + row * len(r) for _, r in panels) + 10
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + left + 10}" height="{height}"'
+           ' font-family="sans-serif" font-size="10">']
+    y = 0
+    for title, panel in panels:
+        out.append(f'<text x="4" y="{y + 24}" font-size="12">{title}</text>')
+        y += gap - 6
+        end = max((a[4] for acts in panel.values() for a in acts), default=1) or 1
+        for r in sorted(panel):
+            out.append(f'<text x="4" y="{y + 15}">pp rank {r}</text>')
+            for kind, stage, mb, start, stop in panel[r]:
+                x, w = left + width * start / end, max(width * (stop - start) / end, 0.5)
+                label = f"{stage}{kind}{mb}"
+                out.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row - 4}" fill="{_COLORS[kind]}"'
+                           f' stroke="white" stroke-width="0.5"><title>{label}</title></rect>')
+                if w > 7 * len(label):
+                    out.append(f'<text x="{x + 2:.1f}" y="{y + 15}" fill="white">{label}</text>')
+            y += row
+        y += 6
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

@@ -218,9 +218,12 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
     timeline = None
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:
         rank = dist.get_rank() if dist.is_initialized() else 0
+        pipeline = plan.pipeline
+        simulated = None if pipeline.schedule == "csv" else (pipeline.schedule, pipeline.pp, plan.n_microbatches,
+                                                             pipeline.stages_per_rank)
         timeline = PipelineTimeline(config.profiling.pipeline_timeline_steps,
                                     Path(config.job.dump_folder) / config.profiling.save_traces_folder,
-                                    rank=rank, pp_rank=pp_rank, writer=rank == 0)
+                                    rank=rank, pp_rank=pp_rank, writer=rank == 0, schedule=simulated)
         timeline.attach(schedule_stages(parts.schedule))
     profiler = None
     if config.profiling.enable_profiling or config.profiling.enable_memory_snapshot:

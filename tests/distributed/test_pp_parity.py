@@ -116,3 +116,4 @@ def check_timeline(path, schedule, *, pp, n_micro):
         assert sorted(name for _, _, name in spans) == expected[rank]
         assert all(end <= nxt for (_, end, _), (nxt, _, _) in zip(spans, spans[1:])), spans
     assert set(trace["otherData"]["bubble"]) == {"0", "1"}
+    assert path.with_suffix(".svg").read_text().count("<rect") == 2 * sum(len(e) for e in expected)  # + simulated

@@ -142,13 +142,14 @@ def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
     return _run([[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops], num_stages)
 
 
-def _run(queues: list[list[tuple[str, int, int]]], num_stages: int) -> tuple[float, float]:
+def _run(queues: list[list[tuple[str, int, int]]], num_stages: int, spans: list | None = None) -> tuple[float, float]:
     """(makespan, busy time summed over ranks) running each rank's (kind, stage, microbatch) in order.
 
     An action starts when its rank is free and its inputs exist: a forward needs the previous
     stage's forward of the microbatch, a backward needs its own forward and the next stage's
     backward, a weight gradient its own input gradient. Communication is free. Raises
-    ``Deadlock`` when no rank can go on.
+    ``Deadlock`` when no rank can go on. ``spans``, if given, receives (rank, kind, stage,
+    microbatch, start, end) of every action.
     """
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * len(queues)
@@ -183,8 +184,11 @@ def _run(queues: list[list[tuple[str, int, int]]], num_stages: int) -> tuple[flo
                 if at is None:
                     break
                 cost = COST[kind] / (num_stages // len(queues))  # a stage is 1/v of a rank's layers
-                clock[r] = max(clock[r], at) + cost
+                begin = max(clock[r], at)
+                clock[r] = begin + cost
                 done[(kind, stage, mb)] = clock[r]
+                if spans is not None:
+                    spans.append((r, kind, stage, mb, begin, clock[r]))
                 busy += cost
                 pos[r] += 1
                 remaining -= 1
@@ -203,6 +207,30 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank
         return (pp - 1) / (n_microbatches + pp - 1)
     makespan, busy = simulate(schedule_ops(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank)
     return 1.0 - busy / (pp * makespan)
+
+
+def simulated_spans(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[tuple]:
+    """(rank, kind, stage, microbatch, start, end) of every action in the simulation (F = 1 unit)."""
+    spans: list[tuple] = []
+    if schedule in ("GPipe", "1F1B"):  # torch's action lists for one stage per rank are not usable here
+        queues = [_one_stage_ops(schedule, pp, n_microbatches, r) for r in range(pp)]
+    else:
+        queues = [[x for a in ops for x in _flatten(a)]
+                  for ops in schedule_ops(schedule, pp, n_microbatches, stages_per_rank)]
+    _run(queues, pp * stages_per_rank, spans)
+    return spans
+
+
+def _one_stage_ops(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """GPipe: every forward, then every backward. 1F1B: pp - 1 - rank forwards to fill the pipeline,
+    then one forward and one backward in turn, then the remaining backwards."""
+    if schedule == "GPipe":
+        return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
+    warm = min(pp - 1 - rank, m)
+    ops = [("F", rank, i) for i in range(warm)]
+    for i in range(m - warm):
+        ops += [("F", rank, warm + i), ("B", rank, i)]
+    return ops + [("B", rank, i) for i in range(m - warm, m)]
 
 
 def timeline(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> str:
