@@ -55,5 +55,6 @@ if [ -n "$LOG_RANK" ]; then
 fi
 # --check-config: the launcher checks the config and job plan for NNODES x NGPU ranks before it
 # starts any process (a bad key fails here with one line), sharing its torch import with torchrun.
-exec "$PYTHON" -m trainer.launch --check-config "${rendezvous[@]}" --nproc-per-node="$NGPU" "${filter[@]}" \
-    --role rank --tee 3 train.py --job.config_file "$CONFIG_FILE" "$@"
+# ${filter[@]+...}: an empty array expands to nothing under set -u on every bash (3.2 included)
+exec "$PYTHON" -m trainer.launch --check-config "${rendezvous[@]}" --nproc-per-node="$NGPU" \
+    ${filter[@]+"${filter[@]}"} --role rank --tee 3 train.py --job.config_file "$CONFIG_FILE" "$@"

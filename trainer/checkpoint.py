@@ -79,26 +79,42 @@ def hash_share(folder: Path) -> None:
 
 
 def merge_shares(folder: Path) -> None:
-    """Rank 0, once every rank has hashed its share: one ``checksums.json`` for the folder."""
+    """Rank 0, once every rank has hashed its share: one ``checksums.json`` for the folder. A file no
+    share covers (a rank's listing lagging behind on a network file system) is hashed here."""
     files = {}
     for part in sorted(p for p in folder.iterdir() if _PART.match(p.name)):
         files.update(json.loads(part.read_text()))
         part.unlink()
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and path.name != MANIFEST and path.name not in files:
+            files[path.name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     (folder / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": dict(sorted(files.items()))}, indent=1))
 
 
 def find_damage(folder: Path) -> str | None:
     """What is wrong with ``folder`` by its ``checksums.json`` (None: intact, or saved without checksums).
     Every rank checks a share of the files; the verdicts are combined, so every rank returns the same."""
+    names, expected, problem = [], [], 0  # problem: 0 none, 1 no manifest, 2 unreadable manifest
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
         names = sorted(files)
         expected = [(int(files[n]["bytes"]), str(files[n]["sha256"])) for n in names]
     except FileNotFoundError:
-        logger.info("checkpoint %s has no %s (saved without [checkpoint] verify): not verified", folder, MANIFEST)
+        problem = 1
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        problem = 2
+    # Every rank must take the same branch before the per-file verdicts are combined: agree on what
+    # each read (the worst problem, and the number of files: the same manifest gives the same count).
+    seen = torch.tensor([problem, len(names), -len(names)], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    problem, most, fewest = int(seen[0]), int(seen[1]), -int(seen[2])
+    if problem == 1:
+        logger.warning("checkpoint %s has no %s (saved without [checkpoint] verify, or the file was lost):"
+                       " loading it unverified", folder, MANIFEST)
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"its {MANIFEST} is unreadable ({type(e).__name__})"
+    if problem == 2 or most != fewest:
+        return f"its {MANIFEST} is unreadable" + ("" if problem == 2 else " (ranks read different contents)")
     # 0 = intact, 1 = missing, 2 = wrong size, 3 = wrong contents; combined with MAX over ranks (CPU: gloo)
     verdicts = torch.zeros(len(names), dtype=torch.int32)
     for i in range(_rank(), len(names), _world()):
@@ -325,6 +341,7 @@ class Checkpointer:
 
     def _set_aside(self, path: Path, damage: str) -> str:
         """Move a damaged checkpoint out of the way (kept for inspection, never purged) and say so."""
+        _barrier()  # every rank names the folder before rank 0 renames it
         aside = path.with_name(f"{path.name}.damaged")
         n = 1
         while aside.exists():

@@ -42,7 +42,8 @@ def check_config(args) -> int:
     try:
         invocation = parse_args(args.training_script_args)
         if invocation.action == "train":
-            nodes, per_node = str(args.nnodes), str(args.nproc_per_node)
+            # --nnodes is "N" or "MIN:MAX" (--standalone leaves "1:1"); an elastic range is planned at its max
+            nodes, per_node = str(args.nnodes).rpartition(":")[2], str(args.nproc_per_node)
             world = int(nodes) * int(per_node) if nodes.isdigit() and per_node.isdigit() else None
             # Memory is checked against this machine's device only on CPU: asking CUDA here would start
             # it in the launcher; the workers check it when they plan.

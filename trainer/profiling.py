@@ -89,12 +89,14 @@ class PipelineTimeline:
     """Records this rank's pipeline actions for the chosen steps and merges every rank's on one rank."""
 
     def __init__(self, steps: list[int], folder: Path, *, rank: int, pp_rank: int, writer: bool,
-                 schedule: tuple[str, int, int, int] | None = None):
+                 schedule: tuple[str, int, int, int] | None = None, sync: bool = False):
         """``schedule`` = (name, pp, microbatches, stages per rank): the simulated timeline drawn next
-        to the measured one (None for a CSV schedule: measured only)."""
+        to the measured one (None for a CSV schedule: measured only). ``sync`` (CUDA): wait for the
+        device around each timed action, so the times are when the kernels ran, not when they were
+        queued (only in timed steps)."""
         self.steps, self.folder = set(steps), Path(folder)
         self.rank, self.pp_rank, self.writer = rank, pp_rank, writer
-        self.schedule = schedule
+        self.schedule, self.sync = schedule, sync
         self.events: list[dict] | None = None  # recording when not None
 
     def attach(self, stages) -> None:
@@ -107,10 +109,14 @@ class PipelineTimeline:
         def run(*args, **kwargs):
             if self.events is None:
                 return method(*args, **kwargs)
+            if self.sync:
+                torch.cuda.synchronize()
             start = time.time_ns()
             try:
                 return method(*args, **kwargs)
             finally:
+                if self.sync:
+                    torch.cuda.synchronize()
                 mb = args[0] if args else next(iter(kwargs.values()))
                 if name == "forward_one_chunk":
                     kind = "F"

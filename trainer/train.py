@@ -223,7 +223,8 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
                                                              pipeline.stages_per_rank)
         timeline = PipelineTimeline(config.profiling.pipeline_timeline_steps,
                                     Path(config.job.dump_folder) / config.profiling.save_traces_folder,
-                                    rank=rank, pp_rank=pp_rank, writer=rank == 0, schedule=simulated)
+                                    rank=rank, pp_rank=pp_rank, writer=rank == plan.reporting_rank,
+                                    schedule=simulated, sync=device.type == "cuda")
         timeline.attach(schedule_stages(parts.schedule))
     profiler = None
     if config.profiling.enable_profiling or config.profiling.enable_memory_snapshot:

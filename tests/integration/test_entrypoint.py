@@ -88,7 +88,7 @@ def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, re
     proc = launch(
         ["./run_train.sh", "--job.dump_folder", str(dump), "--training.steps", "3", "--training.local_batch_size", "4",
          "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "2",
-         "--parallelism.pipeline_parallel_schedule", schedule],
+         "--parallelism.pipeline_parallel_schedule", schedule, "--profiling.pipeline_timeline_steps", "2"],
         env={**ENV, "NGPU": "2"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -98,6 +98,10 @@ def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, re
     # the debug config's [validation] runs after the last step; its line comes from the same rank
     eval_lines = [line for line in lines if "validate step" in line]
     assert len(eval_lines) == 1 and eval_lines[0].startswith(f"[rank{reporter}]:"), eval_lines
+    # the measured timeline is merged and announced by the same rank
+    timeline = [line for line in lines if "pipeline timeline of step 2" in line]
+    assert len(timeline) == 1 and timeline[0].startswith(f"[rank{reporter}]:"), timeline
+    assert (dump / "profile_traces" / "pipeline_timeline_step2.svg").is_file()
     events = EventAccumulator(str(dump / "tb"))
     events.Reload()
     assert len(events.Scalars("loss")) == 3

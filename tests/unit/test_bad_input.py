@@ -247,3 +247,23 @@ def test_control_characters_in_an_error_stay_on_one_line():
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "a\\nb.csv" in lines[0]
     assert one_line("x\r\ny\0") == "x\\r\\ny\\x00"
+
+
+@pytest.mark.parametrize("launcher_args, ok", [
+    (["--standalone", "--nproc-per-node=3"], False),  # torchrun leaves --nnodes at "1:1": the world is 3
+    (["--standalone", "--nproc-per-node=2"], True),
+    (["--nnodes=1:2", "--nproc-per-node=1"], True),  # an elastic range is planned at its largest size
+])
+def test_launcher_checks_the_config_for_its_own_world_size(capsys, launcher_args, ok):
+    from torch.distributed.run import get_args_parser
+
+    from trainer.launch import check_config
+
+    args = get_args_parser().parse_args([*launcher_args, "train.py", *TINY_MODEL,
+                                         "--parallelism.tensor_parallel_degree", "2"])
+    code = check_config(args)
+    err = capsys.readouterr().err
+    if ok:
+        assert code == 0, err
+    else:
+        assert code == 2 and "does not divide WORLD_SIZE 3" in err and err.count("\n") == 1, err

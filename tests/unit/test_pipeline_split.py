@@ -227,6 +227,8 @@ def test_csv_schedule_checks(tmp_path):
     good = tmp_path / "s.csv"
     good.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
     check_csv(str(good), LOOP2, 2)
+    good.write_text(" 0F0,0F1,,0B0,0B1,\n,1F0,1B0,1F1,1B1\n")  # idle slots and padding, as torch accepts them
+    check_csv(str(good), LOOP2, 2)
     with pytest.raises(ConfigError, match="has 2 rows, one per pipeline rank is needed \\(4\\)"):
         check_csv(str(good), [[0], [1], [2], [3]], 2)
     with pytest.raises(ConfigError, match="microbatches \\[0, 1\\], but the job has 4"):
@@ -253,6 +255,9 @@ IMPOSSIBLE = [
     ("W before I", "0F0,0B0\n1F0,1W0,1I0\n", LOOP2, "row 2: 1W0 comes before 1I0"),
     ("orders that wait on each other", "0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", LOOP2,
      "this order cannot run, every rank waits for another (rank 0 at 0B0; rank 1 at 1F1)"),
+    ("a blank line (a rank with no actions, as torch reads it)", "0F0,0B0\n\n1F0,1B0\n", LOOP2,
+     "has 3 rows, one per pipeline rank is needed (2)"),
+    ("spaces inside a cell", "0 F 0,0B0\n1F0,1B0\n", LOOP2, "row 1: '0 F 0' is not an action like 0F1"),
 ]
 
 
@@ -275,7 +280,9 @@ def test_every_torch_schedule_written_as_csv_passes_the_check(tmp_path, schedule
     from trainer.parallel.schedule_sim import _flatten, schedule_ops
 
     ops = schedule_ops(schedule, pp, n_micro, per_rank)
-    rows = [",".join(f"{s}{k}{m}" for a in rank for k, s, m in _flatten(a)) for rank in ops]
+    # idle slots (None) written as empty cells, as torch's own CSV writer does
+    rows = [",".join(cell for a in rank for cell in ([f"{s}{k}{m}" for k, s, m in _flatten(a)] if a else [""]))
+            for rank in ops]
     path = tmp_path / "s.csv"
     path.write_text("\n".join(rows) + "\n")
     v = schedule in ("ZBVZeroBubble", "DualPipeV")

@@ -37,7 +37,7 @@ def _toml_value(value: Any) -> str:
 # TOML basic strings forbid U+0000-U+001F (tab aside) and U+007F unescaped; the rest is written as is.
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 _NEEDS_ESCAPE = re.compile(r'["\\\x00-\x1f\x7f]')
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _toml_string(text: str) -> str:
@@ -46,7 +46,7 @@ def _toml_string(text: str) -> str:
 
 def _toml_key(key: str) -> str:
     """A table key: bare where TOML allows it, else quoted (``"layers.0.attention.wq"`` stays one key)."""
-    return key if _BARE_KEY.match(key) else _toml_string(key)
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
 
 
 def default_text(spec: FieldSpec) -> str:

@@ -112,20 +112,33 @@ _CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
 
 
 def _check_csv_syntax(path: str) -> None:
-    """Every cell of a schedule CSV is an action like 0F1 (stage, F/B/I/W, microbatch); whether its
-    stages and microbatches fit the job is checked when the job is planned."""
+    """Every cell of a schedule CSV is an action like 0F1 (stage, F/B/I/W, microbatch) or empty (idle);
+    whether its stages and microbatches fit the job is checked when the job is planned."""
+    read_csv_cells(path)
+
+
+def read_csv_cells(path: str) -> list[list[str]]:
+    """The CSV's rows of stripped cells, read as torch reads them (csv module: a blank line is a rank
+    with no actions; an empty cell is an idle slot). Raises ConfigError for an unreadable file, no
+    rows, or a cell that is not a compute action like 0F1."""
+    import csv
+
     try:
-        rows = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
+        with open(path, newline="", encoding="utf-8") as f:
+            rows = [[cell.strip() for cell in row] for row in csv.reader(f)]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise ConfigError(f"{_CSV_KEY}: cannot read {path}: {e}") from None
-    if not rows:
+    if not any(any(row) for row in rows):
         raise ConfigError(f"{_CSV_KEY}: {path} is empty; one row of actions per pipeline rank is needed")
     for r, row in enumerate(rows):
-        for cell in row.split(","):
-            if not re.fullmatch(r"\s*\d+\s*[FBIW]\s*\d+\s*", cell):
+        for cell in row:
+            if cell and not re.fullmatch(r"\d+[FBIW]\d+", cell):
                 raise ConfigError(
                     f"{_CSV_KEY}: {path} row {r + 1}: {cell!r} is not an action like 0F1 (stage, F/B/I/W, microbatch)"
                 )
+    return rows
+
+
 
 
 def check_batch(training: Training, dp: int) -> None:

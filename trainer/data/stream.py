@@ -188,14 +188,14 @@ class PackedBatchLoader:
         starving = [j for j in self.mine if j not in read.fed and waits_on_this_pass(self._lanes[j])]
         if not starving:
             return
-        if not read.fed:
-            raise UserError("[training] dataset: the dataset holds no text to train on")
         if read.count <= starving[-1]:
             raise UserError(
                 f"[training] dataset: the stream holds {read.count} documents, fewer than the {self.global_batch}"
                 " windows of a global batch (streaming deals the documents to the windows in turn); use a larger"
                 " dataset or [training.dataloader] streaming = false"
             )
+        if not read.fed:
+            raise UserError("[training] dataset: the dataset holds no text to train on")
         raise UserError(
             f"[training] dataset: documents {starving[0]}, {starving[0] + self.global_batch}, ... (every"
             f" {self.global_batch}-th, one window of the global batch) hold no text; use [training.dataloader]"

@@ -46,24 +46,19 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
     which no rank waits forever for another."""
     import re
 
+    from trainer.config.validate import read_csv_cells
+
     key = _CSV_KEY
-    try:
-        lines = [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}: cannot read {path}: {e}") from None
+    cells = read_csv_cells(path)
     pp, num_stages = len(placement), sum(len(stages) for stages in placement)
-    if len(lines) != pp:
-        raise ConfigError(f"{key}: {path} has {len(lines)} rows, one per pipeline rank is needed ({pp})")
-    rows: list[list[tuple[str, int, int]]] = []
-    for r, line in enumerate(lines):
-        rows.append([])
-        for cell in line.split(","):
-            m = re.fullmatch(r"\s*(\d+)\s*(F|B|I|W)\s*(\d+)\s*", cell)
-            if m is None:
-                raise ConfigError(
-                    f"{key}: {path} row {r + 1}: {cell!r} is not an action like 0F1 (stage, F/B/I/W, microbatch)"
-                )
-            rows[-1].append((m.group(2), int(m.group(1)), int(m.group(3))))
+    if len(cells) != pp:
+        raise ConfigError(f"{key}: {path} has {len(cells)} rows, one per pipeline rank is needed ({pp})")
+    rows: list[list[tuple[str, int, int]]] = [[] for _ in cells]
+    for r, row in enumerate(cells):
+        for cell in row:
+            if cell:  # an empty cell is an idle slot, as torch writes them
+                m = re.fullmatch(r"(\d+)([FBIW])(\d+)", cell)
+                rows[r].append((m.group(2), int(m.group(1)), int(m.group(3))))
     stages = {s for row in rows for _, s, _ in row}
     mbs = {mb for row in rows for _, _, mb in row}
     if stages != set(range(num_stages)):
