@@ -117,7 +117,7 @@ class PipelineTimeline:
             finally:
                 if self.sync:
                     torch.cuda.synchronize()
-                mb = args[0] if args else next(iter(kwargs.values()))
+                mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
                 if name == "forward_one_chunk":
                     kind = "F"
                 elif name == "backward_weight_one_chunk":
