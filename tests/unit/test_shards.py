@@ -161,7 +161,9 @@ def test_prefetch_reads_the_next_step_in_the_background_and_gives_the_same_batch
         assert windows_of(a.next_step()) == windows_of(b.next_step())
     a.close()
     assert readers[0] == threading.current_thread().name  # the first step has nothing read ahead
-    assert all(name.startswith("data") for name in readers[1:]) and len(readers) == 11
+    assert all(name.startswith("data") for name in readers[1:])
+    # steps 2..10 were read ahead; the read ahead of step 11 may not have started when close() cancels it
+    assert len(readers) in (10, 11)
 
 
 def test_shards_made_with_another_tokenizer_are_refused(shards):
