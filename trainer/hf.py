@@ -48,7 +48,11 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
             full = value.full_tensor() if isinstance(value, DTensor) else value
             if name in aliases:  # HF ties lm_head to the embedding itself (tie_word_embeddings)
                 continue
-            tensors[hf.hf_name(name)] = hf.to_hf(name, full.detach().to("cpu", dtype), args).contiguous()
+            converted = hf.to_hf(name, full.detach().to("cpu", dtype), args)
+            keys = hf.names(name, args)
+            # One of ours may be several of theirs, stacked on dim 0 (e.g. one tensor per expert).
+            for key, part in zip(keys, converted.unbind(0) if len(keys) > 1 else [converted]):
+                tensors[key] = part.contiguous()
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if writer:
         folder.mkdir(parents=True, exist_ok=True)
@@ -85,11 +89,15 @@ def load_hf_(chunks, spec: ModelSpec, args, folder: Path) -> None:
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             source = aliases.get(name, name)
-            key = hf.hf_name(source)
-            if key not in weight_map:
-                raise UserError(f"[checkpoint] initial_load_path: {folder} has no tensor {key!r} (for {name})")
-            with safe_open(str(folder / weight_map[key]), framework="pt") as f:
-                full = f.get_tensor(key)
+            keys = hf.names(source, args)
+            parts = []
+            for key in keys:
+                if key not in weight_map:
+                    raise UserError(f"[checkpoint] initial_load_path: {folder} has no tensor {key!r} (for {name})")
+                with safe_open(str(folder / weight_map[key]), framework="pt") as f:
+                    parts.append(f.get_tensor(key))
+            full = torch.stack(parts) if len(keys) > 1 else parts[0]
+            key = keys[0] if len(keys) == 1 else f"{keys[0]} ... ({len(keys)} stacked)"
             if tuple(full.shape) != tuple(param.shape):
                 raise UserError(
                     f"[checkpoint] initial_load_path: {key} in {folder} has shape {tuple(full.shape)}, the model"

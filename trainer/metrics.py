@@ -122,6 +122,22 @@ class MetricsLogger:
                     self.writer.add_scalar(name, value, stats.step)
         return values
 
+    def log_model(self, family: str, values: dict[str, float], step: int) -> None:
+        """A model family's per-layer metrics (``name/layerN``): TensorBoard ``family/name/layerN``,
+        and on the console the mean and the worst layer of each name."""
+        if not self.enabled or not values:
+            return
+        by_name: dict[str, dict[str, float]] = {}
+        for key, value in values.items():
+            name, _, layer = key.partition("/")
+            by_name.setdefault(name, {})[layer] = value
+        summary = []
+        for name, layers in by_name.items():
+            worst = max(layers, key=layers.get)
+            summary.append(f"{name} mean {sum(layers.values()) / len(layers):.4g} max {layers[worst]:.4g} ({worst})")
+        logger.info("%s step %5d  %s", family, step, "  |  ".join(summary))
+        self.log_scalars(family, values, step)
+
     def log_validation(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         self._window_start += seconds  # evaluation time is not training throughput
         if not self.enabled:

@@ -43,6 +43,21 @@ class ModelParts:
     """This rank's copies of the tied weight (0, 1 or 2 of them) whose gradients are summed."""
     cp: ContextParallel | None = None
     """This rank's share of each sequence under context parallelism."""
+    after_step_hook: object | None = None
+    """The family's ``ModelSpec.after_step`` (None: nothing to do after an optimizer step)."""
+    step_metrics: dict[str, float] = field(default_factory=dict)
+    """What ``after_step`` returned for this rank's chunks at the last step (e.g. MoE expert loads)."""
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    """Parameters sharded over the expert-parallel ranks (their gradients are averaged over fewer ranks)."""
+
+    def after_step(self, sum_over_batch) -> None:
+        """Run the family's after-step hook on every chunk (collectives over the batch's ranks)."""
+        if self.after_step_hook is None:
+            return
+        metrics: dict[str, float] = {}
+        for chunk in self.chunks:
+            metrics.update(self.after_step_hook(chunk, sum_over_batch))
+        self.step_metrics = metrics
 
     @property
     def has_first(self) -> bool:
@@ -96,7 +111,7 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
         chunks = [build_chunk(plan.build_model, spec, pipeline.stages[i]) for i in stage_ids]
         logger.info("pipeline: %s, stages %s on this rank, split points %s",
                     pipeline.schedule, stage_ids, pipeline.split_points(spec.layers_attr))
-    parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids)
+    parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids, after_step_hook=spec.after_step)
     if meshes.cp is not None:
         parts.cp = ContextParallel(meshes.cp.get_group(), plan.dims.cp, meshes.world.get_local_rank("cp"),
                                    config.training.seq_len)

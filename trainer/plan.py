@@ -131,6 +131,8 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
             f"[checkpoint] export_hf: model family {spec.name} has no Hugging Face adapter (ModelSpec.hf);"
             " set export_hf = false"
         )
+    if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
+        raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
     if check_memory:  # before the model is built: absurd sequence lengths overflow even meta tensors
         _check_logits_memory(config, dims, spec.vocab_size(args))
     if dims.cp > 1 and not spec.cp_buffers:

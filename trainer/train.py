@@ -121,6 +121,7 @@ def train_step(
     progress()
     optimizers.step()
     optimizers.zero_grad()
+    parts.after_step(lambda t: all_reduce_sum(t, meshes.batch_groups()))
     # This rank's share of the global mean; only ranks holding the last stage have one, so
     # summing over dp, cp and pp gives every rank the global loss.
     total = torch.zeros((), device=num_tokens.device)
@@ -253,6 +254,15 @@ def check_same_data(meshes: Meshes, fingerprint: str) -> None:
                         " (different files at the same path on different nodes?); every rank must see the same")
 
 
+def gather_over_pipeline(values: dict[str, float], meshes: Meshes) -> dict[str, float]:
+    """Per-layer metrics of every pipeline stage (each rank holds its own layers') on every rank."""
+    if meshes.pp is None:
+        return values
+    gathered = [None] * meshes.dims.pp
+    dist.all_gather_object(gathered, values, group=meshes.pp.get_group())
+    return {k: v for part in gathered for k, v in part.items()}
+
+
 def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResult:
     """Resume if a checkpoint exists, then train to ``[training] steps`` (or ``stop_at_step``)."""
     config = run.plan.config
@@ -311,6 +321,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                     progress=watchdog.beat if watchdog is not None else (lambda: None))
                 result.eval_losses[step] = evaluation.loss
                 run.metrics.log_validation(step, evaluation.loss, evaluation.tokens, evaluation.seconds)
+            if run.parts.after_step_hook is not None and run.metrics.should_log(step):
+                run.metrics.log_model(run.plan.spec.name, gather_over_pipeline(run.parts.step_metrics, run.meshes), step)
             if run.metrics.should_log(step) and len(shares := run.loader.shares()) > 1:
                 run.metrics.log_scalars("data_share", shares, step)
             with watchdog.paused() if watchdog is not None else contextlib.nullcontext():

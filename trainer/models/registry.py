@@ -31,6 +31,14 @@ class HFAdapter:
     """(our name, HF tensor, args) -> the tensor in our layout."""
     config: Callable[[Any, Any], dict]
     """(args, dtype) -> config.json contents."""
+    hf_names: Callable[[str, Any], list[str]] | None = None
+    """(our name, args) -> the HF names when one of our tensors is several of theirs, stacked on dim 0
+    (e.g. one weight for all experts, one per expert in HF); None = [hf_name(name)]."""
+    unsupported: Callable[[Any], str | None] = lambda args: None
+    """args -> why the HF class cannot hold this model (refused at plan time), or None."""
+
+    def names(self, name: str, args: Any) -> list[str]:
+        return self.hf_names(name, args) if self.hf_names is not None else [self.hf_name(name)]
 
 
 def _size_rotary_table(args: Any, seq_len: int) -> Any:
@@ -72,6 +80,13 @@ class ModelSpec:
     """args -> {name: count} that the tensor-parallel degree must divide (e.g. attention heads)."""
     validate_args: Callable[[Any], None] | None = None
     """Raise ConfigError (naming the ``[model.overrides]`` key) when resolved args cannot build a model."""
+    auto_tp: bool = True
+    """Whether ``tensor_parallel_plan = "auto"`` may derive a plan (False: the family's plan only)."""
+    after_step: Callable[[nn.Module, Callable[[Any], Any]], dict[str, float]] | None = None
+    """(chunk, sum over the batch's ranks) -> metrics: called on every chunk after each optimizer step
+    (e.g. MoE load counts and balancing-bias updates). The metrics go to TensorBoard under the family's name."""
+    num_experts: Callable[[Any], int] | None = None
+    """args -> routed experts per MoE layer; families with experts support expert parallelism."""
     cp_buffers: tuple[str, ...] = ()
     """Buffers indexed by sequence position (e.g. the rotary table). A family supports context
     parallelism when it names them and its attention is a causal F.scaled_dot_product_attention."""

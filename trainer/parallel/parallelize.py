@@ -30,6 +30,9 @@ def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism: Parallelism,
         return None
     loss_parallel = not parallelism.disable_loss_parallel
     if parallelism.tensor_parallel_plan == "auto":
+        if not spec.auto_tp:
+            raise ConfigError(f"[parallelism] tensor_parallel_plan = \"auto\": model family {spec.name} must use its own"
+                              " plan; set tensor_parallel_plan = \"model\"")
         if parallelism.enable_sequence_parallel:
             logger.warning("[parallelism] enable_sequence_parallel is not applied with tensor_parallel_plan = auto")
         return derive_tp_plan(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,

@@ -21,9 +21,17 @@ def apply_tp(
 ) -> None:
     """Shard ``model`` in place over ``tp_mesh``; modules a pipeline chunk lacks are skipped."""
     plan = {name: style for name, style in top_plan.items() if getattr(model, name, None) is not None}
-    for block_name in getattr(model, layers_attr):
+    for block_name, block in getattr(model, layers_attr).items():
         for sub, style in block_plan.items():
-            plan[f"{layers_attr}.{block_name}.{sub}"] = style
+            if _has_submodule(block, sub):  # blocks may differ (e.g. dense and MoE feed-forwards)
+                plan[f"{layers_attr}.{block_name}.{sub}"] = style
     tied = find_tied(model)
     parallelize_module(model, tp_mesh, plan)
     retie_(model, tied)  # each style distributes its own copy; shared weights must stay one DTensor
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        return module.get_submodule(path) is not None
+    except AttributeError:
+        return False

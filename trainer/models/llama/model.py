@@ -39,13 +39,19 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    """Grouped-query attention with rotary embeddings; ``qk_norm`` adds an RMSNorm over each head of
+    q and k before the rotation (Qwen 3)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qk_norm: bool = False,
+                 norm_eps: float = 1e-5):
         super().__init__()
-        self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.num_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.num_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
@@ -53,6 +59,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
         k = self.wk(x).view(bs, seq, -1, self.head_dim)
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
@@ -61,12 +69,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        hidden = args.ffn_hidden_dim
-        self.w1 = nn.Linear(args.dim, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, args.dim, bias=False)  # down
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -76,9 +85,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args.dim, args.n_heads, args.num_kv_heads, args.head_dim)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)

@@ -1,0 +1,28 @@
+"""The built-in mixture-of-experts family, registered as ``[model] name = "moe"``."""
+
+from trainer.models.moe import hf
+from trainer.models.moe.args import FLAVORS, MoEArgs, validate_moe_args
+from trainer.models.moe.model import TIED_WEIGHTS, MoE, MoETransformer, moe_after_step, moe_flops_per_token
+from trainer.models.moe.tp_plan import build_tp_plan
+from trainer.models.registry import HFAdapter, ModelSpec, register_model
+
+register_model(
+    ModelSpec(
+        name="moe",
+        model_cls=MoETransformer,
+        flavors=FLAVORS,
+        flops_per_token=moe_flops_per_token,
+        build_tp_plan=build_tp_plan,
+        auto_tp=False,
+        tied_weights=TIED_WEIGHTS,
+        tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads},
+        cp_buffers=("rope",),
+        validate_args=validate_moe_args,
+        after_step=moe_after_step,
+        num_experts=lambda args: args.n_experts,
+        hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config,
+                     hf_names=hf.hf_names, unsupported=hf.unsupported),
+    )
+)
+
+__all__ = ["MoE", "MoEArgs", "MoETransformer"]

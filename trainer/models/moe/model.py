@@ -1,0 +1,275 @@
+"""A mixture-of-experts decoder (Qwen 3 MoE / DeepSeek-V3 routing): Llama-style attention, and
+feed-forward blocks of routed SwiGLU experts with token-choice top-k routing.
+
+Like the Llama model it knows nothing about parallelism: a pipeline chunk is this model with
+parts removed, and expert parallelism installs a dispatcher on each ``MoE`` module (see
+trainer.parallel.ep) that moves tokens to the ranks holding their experts and back.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.models.init import InitFn, constant_, init_param_, normal_
+from trainer.models.llama.model import Attention, FeedForward, rope_table
+from trainer.models.moe.args import MoEArgs
+
+TIED_WEIGHTS = {"output.weight": "tok_embeddings.weight"}
+
+# (tokens sorted by expert (n, dim), tokens per expert (n_experts,), compute) -> outputs in the same order.
+# compute(tokens sorted by local expert, tokens per local expert) runs the experts this rank holds.
+Dispatch = Callable[[torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], torch.Tensor]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Router(nn.Module):
+    """Token-choice top-k: each token picks the k experts with the highest scores (plus the
+    load-balancing bias, which only steers the choice). Ties go to the lower expert index (a
+    stable sort), so every layout that computes the same scores routes the same way."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.top_k, self.score_func = args.top_k, args.score_func
+        self.norm_topk, self.route_scale = args.norm_topk, args.route_scale
+        if args.bias_update_speed > 0:
+            self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, dim) -> (weights (tokens, k), experts (tokens, k), scores (tokens, n_experts)), fp32."""
+        logits = F.linear(x.float(), _local(self.gate.weight).float())
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        choose = scores if self.expert_bias is None else scores + self.expert_bias
+        experts = torch.sort(choose.detach(), dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        weights = scores.gather(-1, experts)
+        if self.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
+        return weights * self.route_scale, experts, scores
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU experts as three stacked weights (experts, out, in), like nn.Linear's layout."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: tokens grouped by expert (this rank's experts, in order); counts: tokens per expert."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+            return grouped_swiglu(x, counts, w1, w2, w3)
+        return looped_swiglu(x, counts, w1, w2, w3)
+
+
+def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    """One matmul chain per expert that received tokens (any device; empty experts are skipped)."""
+    outs = []
+    for e, rows in enumerate(torch.split(x, counts.tolist())):
+        if rows.shape[0]:
+            outs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
+    if not outs:  # no token came: an empty result that still reaches the weights (zero gradients)
+        return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+    return torch.cat(outs)
+
+
+def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
+    """torch._grouped_mm: all experts in one kernel per projection (CUDA, bf16)."""
+    offs = counts.cumsum(0).to(torch.int32)
+    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+
+
+def local_dispatch(x: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
+    """Every expert on this rank: compute in place."""
+    return compute(x, counts)
+
+
+class _AddAuxLossGrad(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``aux`` receives gradient 1 (it joins the training objective)
+    wherever the block's output gradient arrives, so the auxiliary loss works under every pipeline schedule."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_shape = aux.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.aux_shape, dtype=torch.float32, device=grad.device)
+
+
+def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: int, n_experts: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss per sequence: sum_i f_i * P_i, with f_i the expert's share of
+    the sequence's choices times n_experts and P_i its mean normalised score. Returns (batch,)."""
+    probs = scores / scores.sum(-1, keepdim=True)
+    probs = probs.view(batch, -1, n_experts)
+    per_seq = experts.reshape(batch, -1)  # (batch, seq * k) choices
+    chosen = F.one_hot(per_seq, n_experts).sum(1).float()  # (batch, n_experts)
+    f = chosen * n_experts / per_seq.shape[1]
+    return (f * probs.mean(1)).sum(-1)
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared ones. Counts the tokens each expert receives in training
+    (read and reset by ``moe_after_step`` once per optimizer step)."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.n_experts = args.n_experts
+        self.router = Router(args)
+        self.experts = GroupedExperts(args.dim, args.expert_hidden_dim, args.n_experts)
+        hidden = args.expert_hidden_dim * args.n_shared_experts
+        self.shared_experts = FeedForward(args.dim, hidden) if hidden else None
+        self.aux_loss_coef, self.bias_update_speed = args.aux_loss_coef, args.bias_update_speed
+        self.dispatch: Dispatch = local_dispatch
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(2), persistent=False)  # (sum over sequences, sequences)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        weights, experts, scores = self.router(flat)
+        k = experts.shape[1]
+        # Pairs (token, choice) sorted by expert; the stable order keeps it the same in every layout.
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=self.n_experts)
+        routed = self.dispatch(flat[order // k], counts, self.experts)
+        y = routed[order.argsort()].view(-1, k, dim)
+        out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(1).view(bs, seq, dim)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        counting = self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+        if counting:  # not again when activation checkpointing recomputes this forward in backward
+            self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        if self.aux_loss_coef > 0 and self.training and torch.is_grad_enabled():
+            per_seq = sequence_balance_loss(scores, experts, bs, self.n_experts)
+            if counting:
+                self.aux_loss_sum += torch.stack([per_seq.detach().sum(), torch.tensor(float(bs))])
+            # Weighted by the sequence's tokens: the step divides every gradient by the batch's label tokens.
+            out = _AddAuxLossGrad.apply(out, self.aux_loss_coef * seq * per_seq.sum())
+        return out
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, args: MoEArgs, layer_id: int):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args.dim, args.n_heads, args.num_kv_heads, args.head_dim, qk_norm=args.qk_norm,
+                                   norm_eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        # Dense blocks and MoE blocks name their feed-forward differently, so that the TP plan and
+        # the HF mapping can tell them apart by name.
+        if args.is_moe_layer(layer_id):
+            self.moe = MoE(args)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.dense_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def init_fn(self, name: str) -> InitFn:
+        args = self.args
+        parts = name.split(".")
+        if name.endswith("norm.weight"):
+            return constant_(1.0)
+        if parts[0] == "tok_embeddings":
+            return normal_(args.dim**-0.5, truncate=3.0) if args.tie_embeddings else normal_(1.0)
+        if parts[0] == "output":
+            return normal_(args.dim**-0.5, truncate=3.0)
+        layer_id = int(parts[1])
+        if parts[-1] in ("wo", "w2", "w3") or parts[-2] in ("wo", "w2", "w3"):  # into the residual stream
+            return normal_(0.02 / math.sqrt(2 * (layer_id + 1)))
+        return normal_(0.02)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        for name, param in self.named_parameters():
+            if self.args.tie_embeddings:
+                name = TIED_WEIGHTS.get(name, name)
+            init_param_(param, name, seed, self.init_fn(name))
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.tokens_per_expert.zero_()
+                module.aux_loss_sum.zero_()
+                if module.router.expert_bias is not None:
+                    module.router.expert_bias.zero_()
+        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
+
+
+def moe_layers(chunk: nn.Module) -> dict[int, MoE]:
+    """{layer index: MoE module} of the blocks this chunk holds."""
+    return {int(name): block.moe for name, block in chunk.layers.items() if hasattr(block, "moe")}
+
+
+@torch.no_grad()
+def moe_after_step(chunk: nn.Module, sum_over_batch: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+    """After each optimizer step: sum the step's expert loads over the batch's ranks, move the
+    balancing biases, reset the counters. Returns this chunk's metrics per layer."""
+    layers = moe_layers(chunk)
+    if not layers:
+        return {}
+    stats = torch.stack([torch.cat([m.tokens_per_expert, m.aux_loss_sum]) for m in layers.values()])
+    sum_over_batch(stats)
+    metrics = {}
+    for row, (i, m) in zip(stats, layers.items()):
+        load, (aux_sum, seqs) = row[:-2], row[-2:]
+        mean = load.mean()
+        metrics[f"load_max_over_mean/layer{i}"] = float(load.max() / mean) if mean > 0 else 0.0
+        if m.aux_loss_coef > 0 and seqs > 0:
+            metrics[f"aux_loss/layer{i}"] = float(aux_sum / seqs)
+        bias = m.router.expert_bias
+        if bias is not None and mean > 0:
+            bias += m.bias_update_speed * torch.sign(mean - load)
+            metrics[f"bias_abs_mean/layer{i}"] = float(bias.abs().mean())
+        m.tokens_per_expert.zero_()
+        m.aux_loss_sum.zero_()
+    return metrics
+
+
+def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
+    """Training FLOPs per token from the parameters each token uses: attention, the dense blocks'
+    feed-forward, and per MoE block the router, the k routed experts and the shared experts
+    (6 per active matmul weight), plus attention scores as for Llama."""
+    kv_dim = args.num_kv_heads * args.head_dim
+    q_dim = args.n_heads * args.head_dim
+    attn = args.dim * (2 * q_dim + 2 * kv_dim)
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    dense = (args.n_layers - n_moe) * 3 * args.dim * args.dense_hidden_dim
+    active = args.dim * args.n_experts + 3 * args.dim * args.expert_hidden_dim * (args.top_k + args.n_shared_experts)
+    matmul_params = args.n_layers * attn + dense + n_moe * active + args.dim * args.vocab_size
+    return 6 * matmul_params + 12 * args.n_layers * q_dim * seq_len
