@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from trainer import loss as loss_mod
 from trainer.models.init import materialize_
 from trainer.parallel.cp import ContextParallel, apply_cp
+from trainer.parallel.ep import expert_modules
 from trainer.parallel.mesh import Meshes
 from trainer.parallel.parallelize import parallelize
 from trainer.parallel.pipeline import build_chunk, build_schedule
@@ -126,6 +127,8 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
             reduce_dtype=config.training.mixed_precision_reduce,
             pipelined=pipeline is not None,
         )
+        if meshes.ep is not None:
+            parts.expert_params += [p for m in expert_modules(chunk) for p in m.experts.parameters()]
         materialize_(chunk, device, config.debug.seed)
         if parts.cp is not None:  # after materialising: init recomputes the rotary table
             apply_cp(chunk, parts.cp.positions, spec.cp_buffers)
@@ -146,5 +149,25 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
         parts.schedule = build_schedule(
             pipeline, chunks, stage_ids, pp_mesh=meshes.pp, device=device, n_microbatches=plan.n_microbatches,
             loss_fn=summed_loss, csv_path=config.parallelism.pipeline_parallel_schedule_csv,
+            example_args=_stage_examples(plan, device) if meshes.ep is not None else None,
         )
     return parts
+
+
+def _stage_examples(plan: JobPlan, device: torch.device):
+    """(inputs, outputs) of each pipeline stage, as torch's PipelineStage takes them to skip its metadata
+    inference: with expert parallelism the inference's forward and backward run all-to-alls that the
+    expert-parallel peers do not join in the same order (seen to hang on torch 2.13)."""
+    mb, seq = plan.config.parallelism.pipeline_parallel_microbatch_size, plan.config.training.seq_len
+    dtype, dim = plan.compute_dtype(device), plan.model_args.dim
+    # Floating examples require grad: torch derives from them which gradients travel between stages.
+    hidden = torch.empty(mb, seq, dim, dtype=dtype, device=device, requires_grad=True)
+
+    def examples(stage: int) -> tuple:
+        first, last = stage == 0, stage == plan.pipeline.num_stages - 1
+        inputs = torch.zeros(mb, seq, dtype=torch.long, device=device) if first else hidden
+        outputs = (torch.empty(mb, seq, plan.vocab_size, dtype=dtype, device=device, requires_grad=True) if last
+                   else hidden)
+        return (inputs,), (outputs,)
+
+    return examples

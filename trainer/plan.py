@@ -131,6 +131,15 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
             f"[checkpoint] export_hf: model family {spec.name} has no Hugging Face adapter (ModelSpec.hf);"
             " set export_hf = false"
         )
+    if dims.ep > 1:
+        if spec.num_experts is None:
+            raise ConfigError(f"[parallelism] expert_parallel_degree={dims.ep}: model family {spec.name} has no experts")
+        if spec.num_experts(args) % dims.ep:
+            raise ConfigError(f"[parallelism] expert_parallel_degree={dims.ep} must divide the model's"
+                              f" n_experts={spec.num_experts(args)} ({config.model.name} {config.model.flavor})")
+        if dims.pp > 1 and dims.tp > 1:
+            raise ConfigError(f"[parallelism] expert_parallel_degree={dims.ep} with both pipeline_parallel_degree and"
+                              " tensor_parallel_degree > 1: not supported yet; drop one of the three")
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
         raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
     if check_memory:  # before the model is built: absurd sequence lengths overflow even meta tensors

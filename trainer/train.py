@@ -109,9 +109,13 @@ def train_step(
     # step on all of them (times their number, undoing the average) gives one big batch's mean.
     num_tokens = count_label_tokens(microbatches).float()
     all_reduce_sum(num_tokens, meshes.batch_groups())
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-             for p in parts.chunks.parameters() if p.grad is not None]
-    torch._foreach_mul_(grads, (meshes.dims.grad_average / num_tokens).to(grads[0].device))
+    # Expert-parallel weights were averaged by their own FSDP over fewer ranks (those holding the same experts).
+    experts = {id(p) for p in parts.expert_params}
+    for average, params in ((meshes.dims.grad_average, [p for p in parts.chunks.parameters() if id(p) not in experts]),
+                            (meshes.expert_grad_average, parts.expert_params)):
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, (average / num_tokens).to(grads[0].device))
     parts.sync_tied_grads()
     if on_grads is not None:
         on_grads()

@@ -99,7 +99,8 @@ def test_an_empty_rank_still_gives_the_experts_zero_gradients():
 def test_grouped_gemm_path_equals_the_loop():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(12, 8, generator=gen, requires_grad=True)
-    ws = [torch.randn(3, 16, 8, generator=gen), torch.randn(3, 8, 16, generator=gen), torch.randn(3, 16, 8, generator=gen)]
+    ws = [torch.randn(3, 16, 8, generator=gen), torch.randn(3, 8, 16, generator=gen),
+          torch.randn(3, 16, 8, generator=gen)]
     counts = torch.tensor([5, 3, 4])
     w_loop = [w.clone().requires_grad_() for w in ws]
     w_grp = [w.clone().requires_grad_() for w in ws]
@@ -109,7 +110,7 @@ def test_grouped_gemm_path_equals_the_loop():
     grad = torch.randn(a.shape, generator=gen)  # a dense gradient (torch's CPU kernel refuses an expanded one)
     a.backward(grad)
     b.backward(grad)
-    for p, q in zip(w_loop, w_grp):
+    for p, q in zip(w_loop, w_grp, strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5)
 
 
@@ -193,3 +194,36 @@ def test_export_loads_in_transformers_qwen3_moe_with_the_same_logits(tmp_path):
     load_hf_([other], SPEC, args, tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(other(tokens), ours, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("args, world, message", [
+    (["--parallelism.expert_parallel_degree", "3"], 4,
+     r"expert_parallel_degree=3 must divide data_parallel_shard_degree=4"),
+    (["--parallelism.expert_parallel_degree", "2", "--model.overrides.n_experts", "3", "--model.overrides.top_k", "1"],
+     2, r"expert_parallel_degree=2 must divide the model's n_experts=3"),
+    (["--parallelism.expert_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"], 4,
+     r"expert_parallel_degree=2 with context_parallel_degree=2: not supported yet"),
+    (["--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2",
+      "--parallelism.tensor_parallel_degree", "2"], 8,
+     r"with both pipeline_parallel_degree and tensor_parallel_degree"),
+    (["--model.flavor", "debugmodel_shared", "--checkpoint.export_hf"], 1,
+     r"\[checkpoint\] export_hf: .* n_shared_experts > 0"),
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.tensor_parallel_plan", "auto"], 2,
+     r"tensor_parallel_plan = \"auto\": model family moe must use its own plan"),
+    (["--model.overrides.top_k", "9"], 1, r"\[model.overrides\] top_k=9: must be <= n_experts=8"),
+    (["--model.overrides.score_func", "relu"], 1, r"score_func='relu': must be 'softmax' or 'sigmoid'"),
+])
+def test_bad_moe_settings_are_one_line_naming_the_key(args, world, message):
+    from tests.conftest import load_plan
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_plan(["--model.name", "moe"] + args, world)
+
+
+def test_a_family_without_experts_refuses_expert_parallelism():
+    from tests.conftest import load_plan
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model family llama3 has no experts"):
+        load_plan(["--parallelism.expert_parallel_degree", "2"], 2)

@@ -178,6 +178,9 @@ class Parallelism:
     """With tensor parallelism, gather the full-vocabulary logits instead of computing the loss on shards."""
     context_parallel_degree: Annotated[int, Degree] = 1
     """Context-parallel ranks (sequence split across ranks in attention)."""
+    expert_parallel_degree: Annotated[int, Degree] = 1
+    """Expert-parallel ranks, carved from the FSDP ranks (must divide data_parallel_shard_degree and the experts):
+    each holds 1/ep of every MoE layer's experts, and tokens travel to their experts by all-to-all."""
     pipeline_parallel_degree: Annotated[int, Degree] = 1
     """Pipeline-parallel ranks."""
     pipeline_parallel_split_points: list[str] = field(default_factory=list)

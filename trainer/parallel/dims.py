@@ -28,6 +28,8 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
+    """Expert-parallel ranks: a factor of dp_shard (the mesh splits dp_shard into dp_shard_mod_ep x ep)."""
 
     @classmethod
     def from_config(cls, parallelism: Parallelism, world_size: int) -> "ParallelDims":
@@ -54,7 +56,24 @@ class ParallelDims:
                 f"[parallelism] degrees do not match the world: dp_replicate {rep} * dp_shard {shard} * cp {cp}"
                 f" * tp {tp} * pp {pp} = {total} != WORLD_SIZE {world_size}"
             )
-        return cls(rep, shard, cp, tp, pp, world_size)
+        ep = parallelism.expert_parallel_degree
+        if ep > 1:
+            if shard % ep:
+                raise ConfigError(
+                    f"[parallelism] expert_parallel_degree={ep} must divide data_parallel_shard_degree={shard}"
+                    " (expert-parallel ranks are carved from the FSDP ranks)"
+                )
+            if cp > 1:
+                raise ConfigError(
+                    f"[parallelism] expert_parallel_degree={ep} with context_parallel_degree={cp}: not supported yet;"
+                    " use one of them"
+                )
+        return cls(rep, shard, cp, tp, pp, world_size, ep)
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """FSDP ranks that hold the same experts (each expert's parameters are sharded over them)."""
+        return self.dp_shard // self.ep
 
     @property
     def dp(self) -> int:
@@ -67,4 +86,5 @@ class ParallelDims:
         return self.dp * self.cp
 
     def describe(self) -> str:
-        return " * ".join(f"{name} {getattr(self, name)}" for name in _KEYS) + f" = {self.world_size} ranks"
+        ep = f" (ep {self.ep} of dp_shard)" if self.ep > 1 else ""
+        return " * ".join(f"{name} {getattr(self, name)}" for name in _KEYS) + f" = {self.world_size} ranks{ep}"

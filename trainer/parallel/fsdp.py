@@ -24,11 +24,13 @@ def apply_fsdp(
     pre_layers: tuple[str, ...],
     post_layers: tuple[str, ...],
     pipelined: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard ``model`` in place: one FSDP unit per block, one for the pre- and one for the post-layers.
 
     ``pipelined``: under a pipeline schedule each step runs several microbatches, so by
     default parameters stay gathered between them instead of being re-gathered per microbatch.
+    ``expert_mesh``: with expert parallelism, the mesh of the experts' own FSDP units.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = {"default": not pipelined, "always": True, "never": False}[reshard_after_forward]
@@ -36,6 +38,13 @@ def apply_fsdp(
     # keep their gathered parameters after forward instead of gathering them again.
     keep_last = reshard_after_forward == "default"
     blocks = list(getattr(model, layers_attr).values())
+    if expert_mesh is not None:
+        # Expert-parallel weights: their own FSDP unit over the ranks holding the same experts,
+        # wrapped first so that the block's unit leaves them out.
+        from trainer.parallel.ep import expert_modules
+
+        for moe in expert_modules(model):
+            fully_shard(moe.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
     for i, block in enumerate(blocks):
         last = i == len(blocks) - 1
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and not (last and keep_last))

@@ -19,6 +19,8 @@ from trainer.parallel.dims import ParallelDims
 logger = logging.getLogger(__name__)
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# With expert parallelism dp_shard is split in two; the whole of dp_shard is their flattening.
+EP_DIM_NAMES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 
 def init_distributed(device: torch.device, init_timeout_seconds: int) -> None:
@@ -57,6 +59,28 @@ class Meshes:
     def dims_size(self, name: str) -> int:
         return getattr(self.dims, name)
 
+    def _local_rank(self, name: str) -> int:
+        return self.world[name].get_local_rank()  # also for flattened dims (dp_shard under EP)
+
+    @property
+    def ep(self) -> DeviceMesh | None:
+        return self._sub("ep")
+
+    @property
+    def expert_fsdp(self) -> DeviceMesh | None:
+        """Mesh of the experts' FSDP under expert parallelism: the data-parallel ranks that hold the same
+        experts (dp_replicate x dp_shard_mod_ep, possibly of size 1). None without EP."""
+        if self.world is None or self.dims.ep == 1:
+            return None
+        if self.dims.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard_mod_ep"]
+        return self.world["dp_shard_mod_ep"]
+
+    @property
+    def expert_grad_average(self) -> int:
+        """Ranks over which the experts' FSDP averages their gradients (see trainer.train.train_step)."""
+        return self.dims.dp_replicate * self.dims.dp_shard_mod_ep if self.dims.ep > 1 else self.dims.grad_average
+
     @property
     def tp(self) -> DeviceMesh | None:
         return self._sub("tp")
@@ -89,19 +113,24 @@ class Meshes:
         """Index of this rank's batch among the data-parallel ranks (cp peers share it)."""
         if self.world is None:
             return 0
-        return self.world.get_local_rank("dp_replicate") * self.dims.dp_shard + self.world.get_local_rank("dp_shard")
+        return self._local_rank("dp_replicate") * self.dims.dp_shard + self._local_rank("dp_shard")
 
     def batch_groups(self) -> list[dist.ProcessGroup]:
         """Process groups whose all-reduces together sum over every token of a step: the
         data-parallel ranks' batches and the context-parallel ranks' parts of each sequence."""
         if self.world is None:
             return []
-        return [self.world.get_group(n) for n in ("dp_replicate", "dp_shard", "cp") if self.dims_size(n) > 1]
+        return [self.world[n].get_group() for n in ("dp_replicate", "dp_shard", "cp") if self.dims_size(n) > 1]
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     if dims.world_size == 1:
         return Meshes(None, dims)
+    if dims.ep > 1:
+        shape = (dims.pp, dims.dp_replicate, dims.dp_shard_mod_ep, dims.ep, dims.cp, dims.tp)
+        world = init_device_mesh(device_type, shape, mesh_dim_names=EP_DIM_NAMES)
+        world["dp_shard_mod_ep", "ep"]._flatten("dp_shard")  # the non-expert parameters' FSDP dimension
+        return Meshes(world, dims)
     shape = tuple(getattr(dims, name) for name in DIM_NAMES)
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIM_NAMES)
     if dims.cp > 1:

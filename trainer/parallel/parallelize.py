@@ -12,6 +12,7 @@ from trainer.models import ModelSpec
 from trainer.parallel.ac import apply_ac
 from trainer.parallel.auto_tp import TPPlan, derive_tp_plan
 from trainer.parallel.compile import apply_compile
+from trainer.parallel.ep import apply_ep
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.mesh import Meshes
 from trainer.parallel.tp import apply_tp
@@ -69,6 +70,9 @@ def parallelize(
     #    (checkpoint hooks, compiled graphs, FSDP's 2-D sharding) must see.
     if meshes.tp is not None:
         apply_tp(model, meshes.tp, top_plan=tp_plan.top, block_plan=tp_plan.block, layers_attr=spec.layers_attr)
+    # 1b. EP: expert weights become DTensors sharded over the ep ranks; tokens reach them by all-to-all.
+    if meshes.ep is not None:
+        apply_ep(model, meshes.ep)
     # 2. AC before compile, so the compiled region includes the recomputation boundaries.
     apply_ac(
         model, mode=activation_checkpoint.mode, option=activation_checkpoint.selective_ac_option,
@@ -83,4 +87,5 @@ def parallelize(
             model, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=torch_dtype(reduce_dtype),
             reshard_after_forward=parallelism.fsdp_reshard_after_forward, layers_attr=spec.layers_attr,
             pre_layers=spec.pre_layers, post_layers=spec.post_layers, pipelined=pipelined,
+            expert_mesh=meshes.expert_fsdp,
         )

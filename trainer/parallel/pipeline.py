@@ -48,6 +48,7 @@ def build_schedule(
     n_microbatches: int,
     loss_fn: Callable,
     csv_path: str = "",
+    example_args: Callable[[int], tuple] | None = None,
 ) -> "_PipelineSchedule":
     """PipelineStages for this rank's chunks, driven by the configured schedule.
 
@@ -57,10 +58,13 @@ def build_schedule(
     from torch.distributed.pipelining import PipelineStage, schedules
 
     group = pp_mesh.get_group()
-    stages = [
-        PipelineStage(chunk, stage_index=sid, num_stages=plan.num_stages, device=device, group=group)
-        for chunk, sid in zip(chunks, stage_ids)
-    ]
+    stages = []
+    for chunk, sid in zip(chunks, stage_ids):
+        # example_args: (inputs, outputs) of stage sid, so that torch skips its metadata inference (a real
+        # forward and backward per stage at the first step, which collectives inside the stages cannot join).
+        inputs, outputs = example_args(sid) if example_args is not None else (None, None)
+        stages.append(PipelineStage(chunk, stage_index=sid, num_stages=plan.num_stages, device=device, group=group,
+                                    input_args=inputs, output_args=outputs))
     if plan.schedule == "csv":
         schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         schedule._load_csv(csv_path)

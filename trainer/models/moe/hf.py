@@ -33,7 +33,8 @@ def hf_names(name: str, args: MoEArgs) -> list[str]:
     """The HF tensors one of ours becomes: one per expert for the stacked expert weights."""
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if m and m.group(2) in _EXPERTS:
-        return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERTS[m.group(2)]}.weight" for e in range(args.n_experts)]
+        prefix, kind = f"model.layers.{m.group(1)}.mlp.experts", _EXPERTS[m.group(2)]
+        return [f"{prefix}.{e}.{kind}.weight" for e in range(args.n_experts)]
     return [hf_name(name)]
 
 

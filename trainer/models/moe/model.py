@@ -87,7 +87,8 @@ def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
 def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
     """torch._grouped_mm: all experts in one kernel per projection (CUDA, bf16)."""
     offs = counts.cumsum(0).to(torch.int32)
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    h = F.silu(gate) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
     return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
 
 
@@ -246,7 +247,7 @@ def moe_after_step(chunk: nn.Module, sum_over_batch: Callable[[torch.Tensor], to
     stats = torch.stack([torch.cat([m.tokens_per_expert, m.aux_loss_sum]) for m in layers.values()])
     sum_over_batch(stats)
     metrics = {}
-    for row, (i, m) in zip(stats, layers.items()):
+    for row, (i, m) in zip(stats, layers.items(), strict=True):
         load, (aux_sum, seqs) = row[:-2], row[-2:]
         mean = load.mean()
         metrics[f"load_max_over_mean/layer{i}"] = float(load.max() / mean) if mean > 0 else 0.0

@@ -1,0 +1,83 @@
+"""Expert parallelism reproduces the single-process MoE run: EP alone, with FSDP, with TP, inside
+pipeline stages under 1F1B, ZBVZeroBubble and DualPipeV, and a resume on one process from an EP
+checkpoint. Compared per tensor like every parity case (tests/parity.py): each step's loss and grad
+norm, every parameter's gradient per step and value after the last step; relative 1e-5, fp32.
+
+The tiny MoE uses both balancing mechanisms (the bias moves every step from the global expert
+loads; the sequence-wise balance loss adds its gradient), so they are compared too. Routing is the
+same in every layout because the router sees the same hidden states (up to float32 rounding)
+and ties go to the lower expert index (a stable sort).
+"""
+
+import pytest
+
+from tests.distributed.harness import PARITY, run_layout
+from tests.parity import REPORT, assert_parity, compare, record
+from trainer.config import load_config
+
+P = "--parallelism."
+M = "--model.overrides."
+# 3 blocks (the first dense), 8 experts of which each token takes 2; 4 blocks when pipelined.
+MOE = ["--model.name", "moe", "--model.flavor", "debugmodel", M + "dim", "64", M + "n_heads", "4",
+       M + "n_kv_heads", "2", M + "vocab_size", "512", M + "n_layers", "3", M + "n_dense_layers", "1",
+       M + "dense_hidden_dim", "96", M + "n_experts", "8", M + "top_k", "2", M + "expert_hidden_dim", "32",
+       M + "bias_update_speed", "0.001", M + "aux_loss_coef", "0.01"]
+assert PARITY[0] == "--model.overrides.dim" and PARITY[10] == "--training.seq_len"
+BASE = PARITY[10:] + MOE  # PARITY[:10] is the tiny Llama's shape
+EP2 = [P + "expert_parallel_degree", "2"]
+LAYERS4 = [M + "n_layers", "4"]
+
+
+def pp(schedule: str) -> list[str]:
+    return [P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule", schedule,
+            P + "data_parallel_shard_degree", "2", *EP2, *LAYERS4, "--training.local_batch_size", "4"]
+
+
+CASES = {
+    "EP2": (2, [], EP2 + ["--training.local_batch_size", "4"]),
+    "EP2xFSDP2": (4, [], [P + "data_parallel_shard_degree", "4", *EP2, "--training.local_batch_size", "2"]),
+    "EP2xTP2": (4, [], [*EP2, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    "PP2xEP2-1F1B": (4, LAYERS4, pp("1F1B")),
+    "PP2xEP2-ZBV": (4, LAYERS4, pp("ZBVZeroBubble")),
+    "PP2xEP2-DualPipeV": (4, LAYERS4, pp("DualPipeV")),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache = {}
+
+    def get(extra: tuple[str, ...]):
+        if extra not in cache:
+            dump = tmp_path_factory.mktemp("ref")
+            overrides = BASE + list(extra) + ["--training.local_batch_size", "8", "--job.dump_folder", str(dump)]
+            cache[extra] = record(load_config(overrides=overrides))
+        return cache[extra]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_parallel_layout_matches_single_process(name, references, tmp_path):
+    nproc, ref_extra, overrides = CASES[name]
+    reference, tensors = references(tuple(ref_extra))
+    result = run_layout(nproc, overrides, tmp_path, base=BASE)
+    assert_parity(name, result, reference, tensors)
+    assert result["losses"][-1] < result["losses"][0]
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_on_one_process(tmp_path):
+    """EP2 x FSDP (2 ranks) saves at step 3 of 6; one process resumes it (DCP reshards the experts, the
+    balancing biases come back) and reproduces steps 4-6 of the EP2 run, every tensor."""
+    ckpt = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
+    straight = run_layout(2, EP2 + ckpt + ["--training.local_batch_size", "4"], tmp_path, base=BASE)
+    single, tensors = record(load_config(overrides=BASE + ckpt + [
+        "--training.local_batch_size", "8", "--checkpoint.load_step", "3",
+        "--job.dump_folder", str(tmp_path / "dump")]))
+    assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
+    after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
+    cmp = compare(tensors, after)
+    REPORT.append(f"{'resume EP2 -> 1 process':<34} worst {cmp.worst_rel:.2e}  {cmp.worst_key}")
+    assert cmp.ok, cmp.failures[:10]

@@ -1,0 +1,62 @@
+"""Expert parallelism: each MoE layer's experts sharded over the ``ep`` ranks, tokens sent to the
+rank holding their expert and the results sent back, by all-to-all (autograd-aware, any backend).
+
+The model's ``MoE`` modules sort their (token, expert) pairs by expert and call ``dispatch`` with
+the tokens, the count per expert and the local experts' compute; ``apply_ep`` installs a dispatch
+that exchanges them. Expert weights become DTensors sharded on dim 0 (the expert index) over the
+ep mesh, so checkpoints keep whole-model names and shapes and load on any ep degree.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules routing tokens to experts: they have ``experts`` (stacked weights) and a ``dispatch``."""
+    return [m for m in model.modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
+
+
+class AllToAllDispatch:
+    """Send each rank's tokens to the ranks holding their experts, compute there, and send the results back."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int, n_experts: int):
+        self.group, self.size, self.local_experts = group, size, n_experts // size
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
+        # counts[e]: tokens this rank sends to expert e; experts are laid out rank by rank.
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # (source rank, local expert) counts
+        received = received.view(self.size, self.local_experts)
+        send = counts.view(self.size, self.local_experts).sum(1).tolist()
+        recv = received.sum(1).tolist()
+        rows = _wait(all_to_all_single_autograd(x, recv, send, self.group))
+        # Rows arrive grouped by source rank, then by expert; the experts want them grouped by expert.
+        expert_of_row = torch.arange(self.local_experts, device=x.device).repeat(self.size)
+        expert_of_row = expert_of_row.repeat_interleave(received.flatten())
+        order = expert_of_row.argsort(stable=True)
+        out = compute(rows[order], received.sum(0))[order.argsort()]
+        return _wait(all_to_all_single_autograd(out, send, recv, self.group))
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Shard every MoE layer's experts over ``ep_mesh`` (model on the meta device); returns the expert parameters."""
+    size = ep_mesh.size()
+    params = []
+    for moe in expert_modules(model):
+        for name, p in list(moe.experts.named_parameters(recurse=False)):
+            local = torch.empty((p.shape[0] // size, *p.shape[1:]), dtype=p.dtype, device=p.device)
+            param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
+            setattr(moe.experts, name, param)
+            params.append(param)
+        moe.dispatch = AllToAllDispatch(ep_mesh.get_group(), size, moe.n_experts)
+    return params
