@@ -176,6 +176,21 @@ def test_flops_count_active_parameters_only():
     assert SPEC.flops_per_token(TINY, seq) == pytest.approx(6 * active + attention_scores)
 
 
+def test_pipeline_cost_model_counts_the_chosen_experts_only():
+    from trainer.parallel.pipeline_split import module_costs
+
+    with torch.device("meta"):
+        model = SPEC.model_cls(TINY)
+    pre, blocks, post = module_costs(model, layers_attr="layers", pre=("tok_embeddings",), post=("norm", "output"),
+                                     mode="flops", seq_len=16)
+    # forward = a third of training FLOPs, block by block as in flops_per_token
+    assert 3 * (pre + sum(blocks) + post) == pytest.approx(SPEC.flops_per_token(TINY, 16))
+    expert = 2 * 3 * TINY.dim * TINY.expert_hidden_dim
+    dense_ffn = 2 * 3 * TINY.dim * TINY.dense_hidden_dim
+    router = 2 * TINY.dim * TINY.n_experts
+    assert blocks[1] - blocks[0] == pytest.approx(TINY.top_k * expert + router - dense_ffn)
+
+
 def test_export_loads_in_transformers_qwen3_moe_with_the_same_logits(tmp_path):
     args = dataclasses.replace(TINY, n_layers=3, n_dense_layers=1)
     model = build(args).eval()

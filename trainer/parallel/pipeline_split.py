@@ -68,8 +68,9 @@ def module_costs(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], po
     """(cost of pre-layers, cost of each block, cost of post-layers) of a meta-device model.
 
     params: number of parameters (memory). flops: forward FLOPs per token, 2 per weight of each
-    Linear (embedding lookups are free) plus attention scores, 4 * dim * seq_len per block
-    when the model's args have a ``dim``.
+    Linear (embedding lookups are free), plus what modules with a ``forward_flops_per_token()``
+    method report (MoE experts: only the k chosen), plus attention scores, 4 * dim * seq_len per
+    block when the model's args have a ``dim``.
     """
 
     def cost(modules: list[nn.Module], is_block: bool) -> float:
@@ -78,6 +79,9 @@ def module_costs(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], po
         total = 0.0
         for m in modules:
             total += sum(2.0 * sub.weight.numel() for sub in m.modules() if isinstance(sub, nn.Linear))
+            # Modules whose weights a token uses only in part (routed experts) say what one token costs.
+            total += sum(sub.forward_flops_per_token() for sub in m.modules()
+                         if hasattr(sub, "forward_flops_per_token"))
         dim = getattr(getattr(model, "args", None), "dim", None)
         if is_block and dim:
             total += 4.0 * dim * seq_len

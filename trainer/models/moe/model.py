@@ -138,6 +138,10 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(2), persistent=False)  # (sum over sequences, sequences)
 
+    def forward_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the routed experts: the k chosen ones (the pipeline cost model)."""
+        return 2.0 * 3 * self.experts.w1[0].numel() * self.router.top_k
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seq, dim = x.shape
         flat = x.reshape(-1, dim)
