@@ -5,7 +5,7 @@
 
 from pathlib import Path
 
-from trainer.parallel.mesh import DIM_NAMES
+from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
 from trainer.parallel.schedule_sim import timeline
 from trainer.plan import JobPlan
 
@@ -49,7 +49,9 @@ def describe_plan(plan: JobPlan) -> str:
         f"Model: {config.model.name} {config.model.flavor}, {plan.num_params / 1e6:,.2f}M parameters,"
         f" {plan.flops_per_token / 1e9:.2f} GFLOP/token (training), seq_len {t.seq_len}",
         f"World: {dims.describe()}",
-        "Mesh: (" + ", ".join(f"{n}={getattr(dims, n)}" for n in DIM_NAMES) + ")",
+        "Mesh: (" + ", ".join(f"{n}={getattr(dims, n)}" for n in (EP_DIM_NAMES if dims.ep > 1 else DIM_NAMES))
+        + ")"
+        + (" with dp_shard = dp_shard_mod_ep x ep; experts sharded over ep" if dims.ep > 1 else ""),
         f"Batch: global {plan.global_batch_size} sequences = local {t.local_batch_size}"
         f" x data-parallel {dims.dp} x accumulation {plan.accum_steps}",
         _data_line(config),
