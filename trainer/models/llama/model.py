@@ -99,12 +99,16 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_block(args, i) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+
+    def make_block(self, args, layer_id: int) -> nn.Module:
+        """Block ``layer_id``; families built on this class (e.g. MoE) override it."""
+        return TransformerBlock(args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab); chunks pass hidden states (batch, seq, dim)."""
@@ -128,7 +132,7 @@ class Transformer(nn.Module):
             return normal_(args.dim**-0.5, truncate=3.0)
         # Depth-scaled init for the projections that write into the residual stream.
         layer_id = int(parts[1])
-        if parts[-2] in ("wo", "w2", "w3"):
+        if parts[-2] in ("wo", "w2", "w3") or parts[-1] in ("w2", "w3"):  # Linear weights, or stacked experts
             return normal_(0.02 / math.sqrt(2 * (layer_id + 1)))
         return normal_(0.02)
 

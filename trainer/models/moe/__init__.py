@@ -1,8 +1,9 @@
 """The built-in mixture-of-experts family, registered as ``[model] name = "moe"``."""
 
+from trainer.models.llama.model import TIED_WEIGHTS
 from trainer.models.moe import hf
 from trainer.models.moe.args import FLAVORS, MoEArgs, validate_moe_args
-from trainer.models.moe.model import TIED_WEIGHTS, MoE, MoETransformer, moe_after_step, moe_flops_per_token
+from trainer.models.moe.model import MoE, MoETransformer, moe_after_step, moe_flops_per_token
 from trainer.models.moe.tp_plan import build_tp_plan
 from trainer.models.registry import HFAdapter, ModelSpec, register_model
 

@@ -6,7 +6,6 @@ parts removed, and expert parallelism installs a dispatcher on each ``MoE`` modu
 trainer.parallel.ep) that moves tokens to the ranks holding their experts and back.
 """
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -14,11 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.models.init import InitFn, constant_, init_param_, normal_
-from trainer.models.llama.model import Attention, FeedForward, rope_table
+from trainer.models.llama.model import Attention, FeedForward, Transformer
 from trainer.models.moe.args import MoEArgs
-
-TIED_WEIGHTS = {"output.weight": "tok_embeddings.weight"}
 
 # (tokens sorted by expert (n, dim), tokens per expert (n_experts,), compute) -> outputs in the same order.
 # compute(tokens sorted by local expert, tokens per local expert) runs the experts this rank holds.
@@ -187,53 +183,21 @@ class MoEBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class MoETransformer(nn.Module):
-    def __init__(self, args: MoEArgs):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
-        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+class MoETransformer(Transformer):
+    """Llama's embedding, norm, output and rotary table around MoE blocks (see MoEBlock)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            h = layer(h, self.rope)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
-
-    def init_fn(self, name: str) -> InitFn:
-        args = self.args
-        parts = name.split(".")
-        if name.endswith("norm.weight"):
-            return constant_(1.0)
-        if parts[0] == "tok_embeddings":
-            return normal_(args.dim**-0.5, truncate=3.0) if args.tie_embeddings else normal_(1.0)
-        if parts[0] == "output":
-            return normal_(args.dim**-0.5, truncate=3.0)
-        layer_id = int(parts[1])
-        if parts[-1] in ("wo", "w2", "w3") or parts[-2] in ("wo", "w2", "w3"):  # into the residual stream
-            return normal_(0.02 / math.sqrt(2 * (layer_id + 1)))
-        return normal_(0.02)
+    def make_block(self, args: MoEArgs, layer_id: int) -> nn.Module:
+        return MoEBlock(args, layer_id)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        for name, param in self.named_parameters():
-            if self.args.tie_embeddings:
-                name = TIED_WEIGHTS.get(name, name)
-            init_param_(param, name, seed, self.init_fn(name))
+        super().init_weights(seed)
         for module in self.modules():
             if isinstance(module, MoE):
                 module.tokens_per_expert.zero_()
                 module.aux_loss_sum.zero_()
                 if module.router.expert_bias is not None:
                     module.router.expert_bias.zero_()
-        self.rope = rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.rope.device)
 
 
 def moe_layers(chunk: nn.Module) -> dict[int, MoE]:
