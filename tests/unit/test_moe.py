@@ -99,9 +99,9 @@ def test_an_empty_rank_still_gives_the_experts_zero_gradients():
 def test_grouped_gemm_path_equals_the_loop():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(12, 8, generator=gen, requires_grad=True)
-    ws = [torch.randn(3, 16, 8, generator=gen), torch.randn(3, 8, 16, generator=gen),
-          torch.randn(3, 16, 8, generator=gen)]
-    counts = torch.tensor([5, 3, 4])
+    ws = [torch.randn(4, 16, 8, generator=gen), torch.randn(4, 8, 16, generator=gen),
+          torch.randn(4, 16, 8, generator=gen)]
+    counts = torch.tensor([5, 0, 3, 4])  # an empty expert in the middle
     w_loop = [w.clone().requires_grad_() for w in ws]
     w_grp = [w.clone().requires_grad_() for w in ws]
     a = looped_swiglu(x, counts, *w_loop)

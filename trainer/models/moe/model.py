@@ -72,9 +72,10 @@ class GroupedExperts(nn.Module):
 def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
     """One matmul chain per expert that received tokens (any device; empty experts are skipped)."""
     outs = []
-    for e, rows in enumerate(torch.split(x, counts.tolist())):
+    # unbind, not w[e]: indexing's backward writes a zero gradient of the whole stack per expert
+    for rows, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True):
         if rows.shape[0]:
-            outs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
+            outs.append((F.silu(rows @ a.T) * (rows @ c.T)) @ b.T)
     if not outs:  # no token came: an empty result that still reaches the weights (zero gradients)
         return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
     return torch.cat(outs)
