@@ -71,7 +71,7 @@ def kernel_table(repeats: int) -> None:
 
 
 def train_table(flavor: str, layouts: list[str], steps: int, batch: int, seq: int) -> list[dict]:
-    print(f"\n| flavor | layout | ranks | median step (s) | tokens/s (job) | peak memory, max rank (GiB) |")
+    print("\n| flavor | layout | ranks | median step (s) | tokens/s (job) | peak memory, max rank (GiB) |")
     print("|---|---|---|---|---|---|")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -82,6 +82,10 @@ def pipeline_forward(parts: ModelParts, meshes: Meshes, inputs: torch.Tensor, la
     """Forward ``inputs`` through every pipeline stage in order; returns the summed loss on the rank
     holding the last stage (an empty list elsewhere). Activations cross ranks as a header
     (dtype code, ndim, shape) followed by the tensor, so stages may return any shape."""
+    if parts.stage_batch is not None and inputs.shape[0] != parts.stage_batch:
+        # Traced stages are specialised to one microbatch's shape: evaluate microbatch by microbatch.
+        pairs = zip(inputs.split(parts.stage_batch), labels.split(parts.stage_batch), strict=True)
+        return [loss for x, y in pairs for loss in pipeline_forward(parts, meshes, x, y)]
     plan = parts.plan
     pp_ranks = meshes.pp.mesh.tolist()  # global rank of each pipeline rank in this rank's pp group
     group = meshes.pp.get_group()

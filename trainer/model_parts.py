@@ -16,7 +16,7 @@ from trainer.parallel.cp import ContextParallel, apply_cp
 from trainer.parallel.ep import expert_modules
 from trainer.parallel.mesh import Meshes
 from trainer.parallel.parallelize import parallelize
-from trainer.parallel.pipeline import build_chunk, build_schedule
+from trainer.parallel.pipeline import build_chunk, build_schedule, manual_stages, trace_pipeline, traced_stages
 from trainer.parallel.pipeline_split import PipelinePlan
 from trainer.plan import JobPlan
 
@@ -50,6 +50,8 @@ class ModelParts:
     """What ``after_step`` returned for this rank's chunks at the last step (e.g. MoE expert loads)."""
     expert_params: list[nn.Parameter] = field(default_factory=list)
     """Parameters sharded over the expert-parallel ranks (their gradients are averaged over fewer ranks)."""
+    stage_batch: int | None = None
+    """Sequences a chunk accepts per call when it is a traced stage (specialised to one microbatch); None: any."""
 
     def after_step(self, sum_over_batch) -> None:
         """Run the family's after-step hook on every chunk (collectives over the batch's ranks)."""
@@ -105,18 +107,34 @@ def _tied_pair_group(meshes: Meshes) -> dist.ProcessGroup:
 def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> ModelParts:
     """This rank's chunks: one meta-device model build per chunk, then TP/AC/compile/FSDP, then weights."""
     config, spec, pipeline = plan.config, plan.spec, plan.pipeline
+    traced = None  # torch's Pipe, with the tracer front-end
     if pipeline is None:
         chunks, stage_ids = [plan.build_model()], []
     else:
         stage_ids = pipeline.stage_ids(meshes.world.get_local_rank("pp"))
-        chunks = [build_chunk(plan.build_model, spec, pipeline.stages[i]) for i in stage_ids]
-        logger.info("pipeline: %s, stages %s on this rank, split points %s",
-                    pipeline.schedule, stage_ids, pipeline.split_points(spec.layers_attr))
-    parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids, after_step_hook=spec.after_step)
+        if plan.traced:
+            # The tracer needs real tensors: the whole model is initialised on CPU (as one process
+            # would: same values), traced, and this rank keeps its stages' submodules.
+            whole = plan.build_model()
+            materialize_(whole, torch.device("cpu"), config.debug.seed)
+            whole.train()
+            mb = config.parallelism.pipeline_parallel_microbatch_size
+            traced = trace_pipeline(whole, pipeline, spec.layers_attr,
+                                    torch.zeros(mb, config.training.seq_len, dtype=torch.long))
+            del whole
+            chunks = [traced.get_stage_module(i) for i in stage_ids]
+        else:
+            chunks = [build_chunk(plan.build_model, spec, pipeline.stages[i]) for i in stage_ids]
+        logger.info("pipeline: %s (%s front-end), stages %s on this rank, split points %s", pipeline.schedule,
+                    "tracer" if plan.traced else "manual", stage_ids, pipeline.split_points(spec.layers_attr))
+    parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids, after_step_hook=spec.after_step,
+                       stage_batch=config.parallelism.pipeline_parallel_microbatch_size if plan.traced else None)
     if meshes.cp is not None:
         parts.cp = ContextParallel(meshes.cp.get_group(), plan.dims.cp, meshes.world.get_local_rank("cp"),
                                    config.training.seq_len)
     for chunk in chunks:
+        if traced is not None:
+            chunk.to(device)  # already initialised; FSDP shards what it finds
         parallelize(
             chunk, spec, meshes,
             tp_plan=plan.tp_plan,
@@ -129,7 +147,8 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
         )
         if meshes.ep is not None:
             parts.expert_params += [p for m in expert_modules(chunk) for p in m.experts.parameters()]
-        materialize_(chunk, device, config.debug.seed)
+        if traced is None:
+            materialize_(chunk, device, config.debug.seed)
         if parts.cp is not None:  # after materialising: init recomputes the rotary table
             apply_cp(chunk, parts.cp.positions, spec.cp_buffers)
         chunk.train()
@@ -145,12 +164,15 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
                         parts.tied.append(getattr(module, attr))
         if pipeline.style == "loop":
             parts.tied_group = _tied_pair_group(meshes)
+    if traced is not None:
+        stages = traced_stages(traced, stage_ids, pp_mesh=meshes.pp, device=device)
+        del traced  # the other stages' submodules (and the whole model's tensors) can go
+    elif pipeline is not None:
+        stages = manual_stages(pipeline, chunks, stage_ids, pp_mesh=meshes.pp, device=device,
+                               example_args=_stage_examples(plan, device) if meshes.ep is not None else None)
     if pipeline is not None:
-        parts.schedule = build_schedule(
-            pipeline, chunks, stage_ids, pp_mesh=meshes.pp, device=device, n_microbatches=plan.n_microbatches,
-            loss_fn=summed_loss, csv_path=config.parallelism.pipeline_parallel_schedule_csv,
-            example_args=_stage_examples(plan, device) if meshes.ep is not None else None,
-        )
+        parts.schedule = build_schedule(pipeline, stages, n_microbatches=plan.n_microbatches, loss_fn=summed_loss,
+                                        csv_path=config.parallelism.pipeline_parallel_schedule_csv)
     return parts
 
 

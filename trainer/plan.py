@@ -20,7 +20,7 @@ from trainer.config import JobConfig
 from trainer.config.validate import check_batch
 from trainer.dtypes import torch_dtype
 from trainer.errors import ConfigError
-from trainer.models import ModelSpec, get_model_spec, import_model_modules, resolve_model_args
+from trainer.models import ModelSpec, get_model_spec, import_model_modules, model_blocks, resolve_model_args
 from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import resolve_tp_plan
@@ -64,6 +64,11 @@ class JobPlan:
     @property
     def vocab_size(self) -> int:
         return self.spec.vocab_size(self.model_args)
+
+    @property
+    def traced(self) -> bool:
+        """Whether pipeline stages come from torch's tracer (``pipeline_parallel_frontend = "tracer"``)."""
+        return self.pipeline is not None and self.config.parallelism.pipeline_parallel_frontend == "tracer"
 
     @property
     def tied_aliases(self) -> dict[str, str]:
@@ -140,6 +145,8 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
         if dims.pp > 1 and dims.tp > 1:
             raise ConfigError(f"[parallelism] expert_parallel_degree={dims.ep} with both pipeline_parallel_degree and"
                               " tensor_parallel_degree > 1: not supported yet; drop one of the three")
+    if dims.pp > 1:
+        _check_frontend(config, spec, args, dims)
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
         raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
     if check_memory:  # before the model is built: absurd sequence lengths overflow even meta tensors
@@ -227,6 +234,31 @@ def _check_logits_memory(config: JobConfig, dims: ParallelDims, vocab_size: int)
         )
 
 
+def _check_frontend(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:
+    """What each pipeline front-end cannot cut or compose with, refused before launch."""
+    key = "[parallelism] pipeline_parallel_frontend"
+    frontend = config.parallelism.pipeline_parallel_frontend
+    if frontend == "manual":
+        if not spec.manual_split:
+            raise ConfigError(f"{key} = \"manual\": model family {spec.name} cannot run with stages' modules removed"
+                              " (ModelSpec.manual_split = False); set pipeline_parallel_frontend = \"tracer\"")
+        return
+    # A traced stage is a graph of aten ops: module-level parallel styles and per-block wrappers that
+    # change the forward cannot be applied to it, and torch's traced stages reject DTensor activations.
+    refused = [
+        (dims.tp > 1, "tensor_parallel_degree > 1 (TP plans shard nn.Linear modules, which tracing removes)"),
+        (dims.cp > 1, "context_parallel_degree > 1 (torch's traced stages reject DTensor activations)"),
+        (dims.ep > 1 or spec.num_experts is not None,
+         "a mixture-of-experts model (routing has data-dependent shapes, which torch.export cannot trace)"),
+        (bool(spec.tied_aliases(args)), "tied embeddings ([model] tie_embeddings: torch's traced stages do not"
+                                        " exchange a weight shared by two stages; the run fails in a transfer)"),
+        (config.compile.enable, "[compile] enable (not tried on traced stages)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"{key} = \"tracer\" does not compose with {what}; use the manual front-end or drop it")
+
+
 def _reporting_rank(dims: ParallelDims, pipeline: PipelinePlan | None) -> int:
     if pipeline is None:
         return 0
@@ -244,7 +276,7 @@ def _stage_costs(whole: nn.Module, spec: ModelSpec, pipeline: PipelinePlan | Non
 
     pre = [getattr(whole, n) for n in spec.pre_layers if getattr(whole, n, None) is not None]
     post = [getattr(whole, n) for n in spec.post_layers if getattr(whole, n, None) is not None]
-    blocks = getattr(whole, spec.layers_attr)
+    blocks = model_blocks(whole, spec.layers_attr)
     pre_f, block_f, post_f = module_costs(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers,
                                           post=spec.post_layers, mode="flops", seq_len=seq_len)
     if pipeline is None:

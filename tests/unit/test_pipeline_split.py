@@ -19,6 +19,9 @@ def plan_for(*args):
     return load_plan(list(args)).pipeline
 
 
+TRACER = ["--parallelism.pipeline_parallel_frontend", "tracer"]
+
+
 def pp(n, *args):
     return ["--parallelism.pipeline_parallel_degree", str(n), *args]
 
@@ -104,6 +107,17 @@ def test_manual_split_points():
          "DualPipeV requires at least as many microbatches as stages"),
         (pp(2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--activation_checkpoint.mode",
             "selective", "--activation_checkpoint.selective_ac_option", "op"), "selective_ac_option='op' cannot"),
+        # what the tracer front-end cannot compose with, and a family only the tracer can cut
+        (pp(2, *TRACER, "--parallelism.tensor_parallel_degree", "2"),
+         'pipeline_parallel_frontend = "tracer" does not compose with tensor_parallel_degree > 1'),
+        (pp(2, *TRACER, "--parallelism.context_parallel_degree", "2"), "does not compose with context_parallel_degree"),
+        (pp(2, *TRACER, "--model.tie_embeddings"), "does not compose with tied embeddings"),
+        (pp(2, *TRACER, "--compile.enable"), "does not compose with [compile] enable"),
+        (pp(2, *TRACER, "--model.name", "moe", "--model.flavor", "debugmodel"),
+         "does not compose with a mixture-of-experts model"),
+        (pp(2, "--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny"),
+         'pipeline_parallel_frontend = "manual": model family seq_gpt cannot run with stages\' modules removed'),
+        (pp(2, *TRACER, "--parallelism.pipeline_parallel_frontend", "traced"), "expected one of 'manual', 'tracer'"),
     ],
 )
 def test_pipeline_config_errors(args, message):
@@ -305,4 +319,64 @@ def test_dry_run_plans_8b_on_64_ranks(tmp_path):
     assert "0      0        tok_embeddings, layers.0-3" in text
     assert "7      0        layers.29-31, norm, output" in text
     assert (tmp_path / "pipeline_schedule.txt").read_text().startswith("rank 0: 0F0")
+    assert "Front-end: manual" in text
     assert torch.distributed.is_initialized() is False  # no process group was needed
+
+
+def test_dry_run_of_a_traced_sequential_family():
+    """A family with its blocks in an nn.Sequential: split points and costs come from its children."""
+    plan = load_plan(pp(2, *TRACER, "--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny",
+                        "--model.overrides.n_layers", "4", "--parallelism.pipeline_parallel_split_points", "blocks.1"))
+    text = describe_plan(plan)
+    assert "Split points: ['blocks.1']" in text and "Front-end: tracer" in text
+    assert [s.blocks for s in plan.pipeline.stages] == [("0",), ("1", "2", "3")]
+    assert plan.traced
+
+
+def test_a_model_torch_cannot_trace_stops_with_one_line():
+    from torch import nn
+
+    from trainer.parallel.pipeline import trace_pipeline
+    from trainer.parallel.pipeline_split import PipelinePlan, Stage
+
+    class Branchy(nn.Module):  # control flow on a tensor's value: torch.export cannot trace it
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(2)})
+
+        def forward(self, x):
+            for layer in self.layers.values():
+                x = layer(x) if x.sum() > 0 else -layer(x)
+            return x
+
+    plan = PipelinePlan((Stage(0, ("0",), True, False), Stage(1, ("1",), False, True)), 2, "1F1B", "loop")
+    with pytest.raises(ConfigError) as info:
+        trace_pipeline(Branchy(), plan, "layers", torch.ones(1, 4))
+    assert str(info.value).startswith('[parallelism] pipeline_parallel_frontend = "tracer": torch could not trace')
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("family, layers_attr", [("llama3", "layers"), ("seq_gpt", "blocks")])
+def test_traced_stages_hold_the_planned_blocks_under_whole_model_names(family, layers_attr):
+    """Tracing cuts where the plan says, keeps the model's parameter names, and the stages chained
+    compute the whole model's output."""
+    from trainer.models.init import materialize_
+    from trainer.parallel.pipeline import trace_pipeline
+
+    plan = load_plan(pp(2, *TRACER, "--model.modules", "seq_gpt", "--model.name", family, "--model.flavor",
+                        "tiny" if family == "seq_gpt" else "debugmodel", "--model.overrides.n_layers", "4",
+                        "--parallelism.pipeline_parallel_split_points", f"{layers_attr}.3",
+                        "--training.seq_len", "16"))
+    whole = plan.build_model()
+    materialize_(whole, torch.device("cpu"), 0)
+    ids = torch.randint(0, 100, (1, 16))
+    pipe = trace_pipeline(whole, plan.pipeline, layers_attr, ids)
+    names = set()
+    out = ids
+    for stage in plan.pipeline.stages:
+        module = pipe.get_stage_module(stage.index)
+        names |= set(module.state_dict())
+        out = module(out)
+    assert names == set(whole.state_dict())
+    torch.testing.assert_close(out, whole(ids), rtol=0, atol=0)
+    assert [s.blocks for s in plan.pipeline.stages] == [("0", "1", "2"), ("3",)]

@@ -199,6 +199,9 @@ class Parallelism:
     """Sequences per pipeline microbatch."""
     pipeline_parallel_layers_per_stage: Annotated[int, Positive] | None = None
     """Transformer layers per (virtual) stage; derives the number of stages per rank."""
+    pipeline_parallel_frontend: Literal["manual", "tracer"] = "manual"
+    """How stages are cut: manual = the model class with other stages' modules removed; tracer = torch's
+    pipeline() traces the whole forward and splits the graph at the split points (any forward; FSDP/DDP only)."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered FSDP parameters after forward: default = yes except for the last block."""
 

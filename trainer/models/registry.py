@@ -54,7 +54,8 @@ class ModelSpec:
 
     name: str
     model_cls: type[nn.Module]
-    """Called as ``model_cls(args)``; must hold its repeated blocks in a ModuleDict ``layers_attr``."""
+    """Called as ``model_cls(args)``; holds its repeated blocks in a container ``layers_attr`` (ModuleDict,
+    Sequential or ModuleList)."""
     flavors: dict[str, Any]
     """Preset name -> frozen args dataclass instance."""
     flops_per_token: Callable[[Any, int], float]
@@ -62,7 +63,11 @@ class ModelSpec:
     build_tp_plan: Callable[..., dict] | None = None
     """Returns {module name: ParallelStyle} for one block and for the top level; None = no TP."""
     layers_attr: str = "layers"
-    """Name of the ModuleDict of repeated blocks; pipeline stages are split between its entries."""
+    """Name of the container of repeated blocks; pipeline stages are split between its entries."""
+    manual_split: bool = True
+    """Whether the manual pipeline front-end can cut this family: its forward runs with ``pre_layers`` and
+    ``post_layers`` set to None and entries of a ModuleDict ``layers_attr`` deleted. False: pipelining
+    needs ``pipeline_parallel_frontend = "tracer"``."""
     pre_layers: tuple[str, ...] = ("tok_embeddings",)
     """Top-level modules that run before the blocks (kept by the first pipeline stage)."""
     post_layers: tuple[str, ...] = ("norm", "output")
@@ -94,6 +99,11 @@ class ModelSpec:
     def tied_aliases(self, args: Any) -> dict[str, str]:
         """{alias: canonical} of the weights tied in a model built from ``args`` (empty when untied)."""
         return self.tied_weights if getattr(args, "tie_embeddings", False) else {}
+
+
+def model_blocks(model: nn.Module, layers_attr: str) -> dict[str, nn.Module]:
+    """{key: block} of the repeated blocks, in order, whatever the container (also a traced stage's)."""
+    return dict(getattr(model, layers_attr).named_children())
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

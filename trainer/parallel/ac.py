@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from trainer.models.registry import model_blocks
+
 # Outputs worth keeping under per-op selective AC: the expensive matmuls and attention.
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
@@ -42,7 +44,7 @@ def apply_ac(model: nn.Module, *, mode: Literal["none", "full", "selective"], op
     """Checkpoint blocks in place. ``option`` (selective): 'op', or N = every N-th block."""
     if mode == "none":
         return
-    for name, block in getattr(model, layers_attr).items():
+    for name, block in model_blocks(model, layers_attr).items():
         if mode == "full" or (option != "op" and int(name) % int(option) == 0):
             _checkpoint_forward(block, selective_ops=False)
         elif option == "op":

@@ -24,6 +24,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from trainer.errors import ConfigError
+from trainer.models.registry import model_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def _walk(start, stop: dict, seen_split: bool = False) -> list[tuple[str, bool]]
 
 def _block_graph(model: nn.Module, layers_attr: str, seq_len: int):
     """Run the model on meta tokens and record, in its first block, each Linear's input and output."""
-    block = next(iter(getattr(model, layers_attr).values()))
+    block = next(iter(model_blocks(model, layers_attr).values()))
     records: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     captured = {}
 

@@ -2,8 +2,10 @@
 
 from torch import nn
 
+from trainer.models.registry import model_blocks
+
 
 def apply_compile(model: nn.Module, *, layers_attr: str) -> None:
     # Blocks are identical, so one compiled graph serves them all; the top level stays eager.
-    for block in getattr(model, layers_attr).values():
+    for block in model_blocks(model, layers_attr).values():
         block.compile(fullgraph=False)

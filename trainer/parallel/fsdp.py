@@ -12,6 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from trainer.models.registry import model_blocks
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -37,7 +39,7 @@ def apply_fsdp(
     # Under "default", modules that backward needs first (last block, final norm, output)
     # keep their gathered parameters after forward instead of gathering them again.
     keep_last = reshard_after_forward == "default"
-    blocks = list(getattr(model, layers_attr).values())
+    blocks = list(model_blocks(model, layers_attr).values())
     if expert_mesh is not None:
         # Expert-parallel weights: their own FSDP unit over the ranks holding the same experts,
         # wrapped first so that the block's unit leaves them out.

@@ -1,7 +1,11 @@
 """Pipeline parallelism at run time: model chunks, PipelineStages and the schedule.
 
-A chunk is the family's model class built whole on the meta device with the parts its stage
-does not own removed, so parameter names are those of the whole model.
+Two front-ends cut the model (``[parallelism] pipeline_parallel_frontend``):
+- manual: a chunk is the family's model class built whole on the meta device with the parts its
+  stage does not own removed;
+- tracer: torch's ``pipeline()`` traces the whole model's forward (torch.export) and splits the
+  graph before each split point; a chunk is the traced submodule of its stage.
+Either way parameter names are those of the whole model.
 """
 
 import logging
@@ -13,7 +17,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.config.schedules import SCHEDULES
+from trainer.errors import ConfigError
 from trainer.models import ModelSpec
+from trainer.models.registry import model_blocks
 from trainer.parallel.pipeline_split import PipelinePlan, Stage
 
 if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo (~0.5 s): only jobs with pp > 1 pay it
@@ -38,33 +44,85 @@ def build_chunk(make_model: Callable[[], nn.Module], spec: ModelSpec, stage: Sta
     return chunk
 
 
-def build_schedule(
-    plan: PipelinePlan,
-    chunks: list[nn.Module],
-    stage_ids: list[int],
-    *,
-    pp_mesh: DeviceMesh,
-    device: torch.device,
-    n_microbatches: int,
-    loss_fn: Callable,
-    csv_path: str = "",
-    example_args: Callable[[int], tuple] | None = None,
-) -> "_PipelineSchedule":
-    """PipelineStages for this rank's chunks, driven by the configured schedule.
+TRACER_KEY = '[parallelism] pipeline_parallel_frontend = "tracer"'
+
+
+def trace_pipeline(model: nn.Module, plan: PipelinePlan, layers_attr: str, example: torch.Tensor):
+    """torch's ``Pipe`` of ``model`` (whole, initialised) split before each of ``plan``'s split points.
+
+    ``example`` is one microbatch of inputs: the traced graph, and the stages' receive buffers, have
+    its shape. A model torch.export cannot trace (e.g. data-dependent shapes) stops with one line.
+    """
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    points = plan.split_points(layers_attr)
+    try:
+        pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
+    except Exception as e:  # torch.export's errors are long: the first line names the construct
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{TRACER_KEY}: torch could not trace the model: {type(e).__name__}: {first}") from None
+    if pipe.num_stages != plan.num_stages:
+        raise ConfigError(f"{TRACER_KEY}: tracing split the model into {pipe.num_stages} stages, not"
+                          f" {plan.num_stages} (split points {points} must each start a module the forward calls)")
+    for stage in plan.stages:  # the graph was cut where the plan (and the dry run) says
+        got = tuple(model_blocks(pipe.get_stage_module(stage.index), layers_attr))
+        if got != stage.blocks:
+            raise ConfigError(f"{TRACER_KEY}: tracing put blocks {list(got)} in stage {stage.index}, not the planned"
+                              f" {list(stage.blocks)}; does the forward call the blocks of {layers_attr} in order?")
+    # Traced modules hold every buffer as persistent: keep the model's non-persistent ones (e.g. the
+    # rotary table) out of the stages' state dicts, so checkpoints have the same keys as a manual run's.
+    transient = {f"{owner}.{b}".lstrip(".") for owner, m in model.named_modules()
+                 for b in m._non_persistent_buffers_set}
+    for i in range(pipe.num_stages):
+        stage = pipe.get_stage_module(i)
+        for name, _ in stage.named_buffers():
+            if name in transient:
+                owner, _, attr = name.rpartition(".")
+                stage.get_submodule(owner)._non_persistent_buffers_set.add(attr)
+    return pipe
+
+
+def traced_stages(pipe, stage_ids: list[int], *, pp_mesh: DeviceMesh, device: torch.device) -> list:
+    """torch's traced stages for this rank's stage ids (their submodules parallelised in place before)."""
+    from torch.distributed.pipelining.stage import _PipelineStage
+
+    class TracedStage(_PipelineStage):
+        def _get_init_p2p_neighbors_ops(self) -> list:
+            # torch (2.13) warms up a link to each neighbour stage, also one on this very rank (V placement:
+            # stages 1 and 2 on rank 1), which gloo cannot send to; those stages hand over in memory anyway.
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    stages = []
+    for sid in stage_ids:
+        stage = pipe.build_stage(sid, device, pp_mesh.get_group())
+        stage.__class__ = TracedStage  # build_stage also rewrites device constants of the traced graph
+        stages.append(stage)
+    return stages
+
+
+def manual_stages(plan: PipelinePlan, chunks: list[nn.Module], stage_ids: list[int], *, pp_mesh: DeviceMesh,
+                  device: torch.device, example_args: Callable[[int], tuple] | None = None) -> list:
+    """torch PipelineStages around this rank's manual chunks."""
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = []
+    for chunk, sid in zip(chunks, stage_ids, strict=True):
+        # example_args: (inputs, outputs) of stage sid, so that torch skips its metadata inference (a real
+        # forward and backward per stage at the first step, which collectives inside the stages cannot join).
+        inputs, outputs = example_args(sid) if example_args is not None else (None, None)
+        stages.append(PipelineStage(chunk, stage_index=sid, num_stages=plan.num_stages, device=device,
+                                    group=pp_mesh.get_group(), input_args=inputs, output_args=outputs))
+    return stages
+
+
+def build_schedule(plan: PipelinePlan, stages: list, *, n_microbatches: int, loss_fn: Callable,
+                   csv_path: str = "") -> "_PipelineSchedule":
+    """The configured schedule driving this rank's stages (manual or traced).
 
     ``scale_grads=False``: the step divides gradients by its global token count itself, so the
     schedule must not divide by the number of microbatches as well.
     """
-    from torch.distributed.pipelining import PipelineStage, schedules
-
-    group = pp_mesh.get_group()
-    stages = []
-    for chunk, sid in zip(chunks, stage_ids):
-        # example_args: (inputs, outputs) of stage sid, so that torch skips its metadata inference (a real
-        # forward and backward per stage at the first step, which collectives inside the stages cannot join).
-        inputs, outputs = example_args(sid) if example_args is not None else (None, None)
-        stages.append(PipelineStage(chunk, stage_index=sid, num_stages=plan.num_stages, device=device, group=group,
-                                    input_args=inputs, output_args=outputs))
+    from torch.distributed.pipelining import schedules
     if plan.schedule == "csv":
         schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         schedule._load_csv(csv_path)

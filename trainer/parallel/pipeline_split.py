@@ -14,6 +14,7 @@ from torch import nn
 from trainer.config.schedules import CSV, SCHEDULES, ScheduleTraits
 from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
+from trainer.models.registry import model_blocks
 
 KEY = "[parallelism] pipeline_parallel_"
 
@@ -87,7 +88,7 @@ def module_costs(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], po
             total += 4.0 * dim * seq_len
         return total
 
-    blocks = getattr(model, layers_attr)
+    blocks = model_blocks(model, layers_attr)
     pre_cost = cost([getattr(model, n) for n in pre if getattr(model, n, None) is not None], False)
     post_cost = cost([getattr(model, n) for n in post if getattr(model, n, None) is not None], False)
     return pre_cost, [cost([b], True) for b in blocks.values()], post_cost
@@ -147,7 +148,7 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_at
     """Validate the pipeline keys against the model and decide every stage's blocks."""
     pp = parallelism.pipeline_parallel_degree
     schedule, traits = schedule_traits(parallelism)
-    block_keys = list(getattr(model, layers_attr).keys())
+    block_keys = list(model_blocks(model, layers_attr))
     n_layers = len(block_keys)
     points = parallelism.pipeline_parallel_split_points
     if points:

@@ -6,6 +6,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from trainer.models.registry import model_blocks
 from trainer.parallel.tied import find_tied, retie_
 
 logger = logging.getLogger(__name__)
@@ -21,7 +22,7 @@ def apply_tp(
 ) -> None:
     """Shard ``model`` in place over ``tp_mesh``; modules a pipeline chunk lacks are skipped."""
     plan = {name: style for name, style in top_plan.items() if getattr(model, name, None) is not None}
-    for block_name, block in getattr(model, layers_attr).items():
+    for block_name, block in model_blocks(model, layers_attr).items():
         for sub, style in block_plan.items():
             if _has_submodule(block, sub):  # blocks may differ (e.g. dense and MoE feed-forwards)
                 plan[f"{layers_attr}.{block_name}.{sub}"] = style

@@ -1,0 +1,111 @@
+"""The tracer pipeline front-end (``pipeline_parallel_frontend = "tracer"``) reproduces the
+single-process run, for Llama and for a family the manual front-end cannot cut (tests/fixtures/
+seq_gpt.py: blocks in an nn.Sequential, a forward that uses every part), under 1F1B,
+Interleaved1F1B and ZBVZeroBubble, and composed with FSDP 2 (DualPipeV, full activation
+checkpointing). Traced and manual splits give the same parameters, and checkpoints cross between
+the front-ends both ways.
+
+Compared per tensor like every parity case (tests/parity.py): each step's loss, grad norm and
+evaluation loss, every parameter's gradient per step and value after the last step under its
+whole-model name; relative 1e-5, fp32, CPU, gloo.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from tests.distributed.harness import PARITY, run_layout
+from tests.parity import REPORT, assert_parity, compare, record
+from trainer.config import load_config
+
+P = "--parallelism."
+TRACER = [P + "pipeline_parallel_frontend", "tracer"]
+LAYERS4 = ["--model.overrides.n_layers", "4"]
+# PARITY's Llama overrides do not apply to the GPT families: keep only the run settings.
+RUN = [a for i, a in enumerate(PARITY) if not (a.startswith("--model") or (i and PARITY[i - 1].startswith("--model")))]
+FAMILIES = {
+    "llama": PARITY + LAYERS4,
+    "seq_gpt": RUN + ["--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny", *LAYERS4],
+}
+
+
+def pp2(schedule: str, *extra: str) -> list[str]:
+    return [P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule", schedule, *extra]
+
+
+B8 = ["--training.local_batch_size", "8"]
+# name: (family, ranks, overrides); every case uses the tracer front-end
+CASES = {
+    **{f"{family}-{s}": (family, 2, pp2(s, *B8)) for family in FAMILIES
+       for s in ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"]},
+    "llama-pp2xFSDP2-DualPipeV-AC": ("llama", 4, pp2("DualPipeV", P + "data_parallel_shard_degree", "2",
+                                                     "--activation_checkpoint.mode", "full",
+                                                     "--training.local_batch_size", "4")),
+}
+RESULTS: dict[str, dict] = {}  # tracer results kept for the traced-vs-manual comparison
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            dump = tmp_path_factory.mktemp("ref")
+            cache[family] = record(load_config(overrides=FAMILIES[family] + B8 + ["--job.dump_folder", str(dump)]))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_traced_pipeline_matches_single_process(name, references, tmp_path):
+    family, nproc, overrides = CASES[name]
+    result = run_layout(nproc, FAMILIES[family] + overrides + TRACER, tmp_path, base=[])
+    RESULTS[name] = result
+    reference, tensors = references(family)
+    assert_parity(f"tracer {name}", result, reference, tensors)
+    assert result["losses"][-1] < result["losses"][0]
+
+
+@pytest.mark.slow
+def test_traced_and_manual_splits_give_the_same_parameters(tmp_path):
+    """Same split points, same schedule: the two front-ends run the same operations."""
+    traced = RESULTS.get("llama-1F1B") or run_layout(2, FAMILIES["llama"] + pp2("1F1B", *B8) + TRACER, tmp_path / "t",
+                                                      base=[])
+    manual = run_layout(2, FAMILIES["llama"] + pp2("1F1B", *B8), tmp_path / "m", base=[])
+    params = [k for k in manual["tensors"] if k.startswith("param/")]
+    assert params and set(params) == {k for k in traced["tensors"] if k.startswith("param/")}
+    worst = 0.0
+    for key in params:
+        a, b = traced["tensors"][key][0], manual["tensors"][key][0]
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=key)
+        worst = max(worst, ((a - b).norm() / b.norm()).item())
+    REPORT.append(f"{'tracer vs manual pp2 1F1B params':<34} worst {worst:.2e}")
+
+
+@pytest.mark.slow
+def test_checkpoints_cross_between_the_front_ends(tmp_path):
+    """A traced run's step-3 checkpoint resumes in a manual run (steps 4-9), whose step-6 checkpoint
+    resumes in a traced run (steps 7-9); both reproduce the straight traced run, every tensor."""
+    ckpt = ["--training.steps", "9", "--checkpoint.enable", "--checkpoint.interval", "3",
+            "--checkpoint.no-last_save_model_only"]
+    llama = FAMILIES["llama"] + pp2("1F1B", *B8) + ckpt
+    straight = run_layout(2, llama + TRACER, tmp_path / "a", base=[])
+
+    def resume(step: int, src, dst, frontend: list[str]) -> dict:
+        (dst / "dump" / "checkpoint").mkdir(parents=True)
+        shutil.copytree(src / "dump" / "checkpoint" / f"step-{step}", dst / "dump" / "checkpoint" / f"step-{step}")
+        return run_layout(2, llama + frontend + ["--checkpoint.load_step", str(step)], dst, base=[])
+
+    manual = resume(3, tmp_path / "a", tmp_path / "b", [])  # also saves step 6, for the next resume
+    traced = resume(6, tmp_path / "b", tmp_path / "c", TRACER)
+    for name, result, first in [("tracer ckpt -> manual", manual, 4), ("manual ckpt -> tracer", traced, 7)]:
+        assert result["losses"] == pytest.approx(straight["losses"][first - 1:], rel=1e-5), name
+        # the resumed run numbers its steps from the checkpoint, so its keys match the straight run's
+        later = tuple(f"grad/{s}/" for s in range(first, 10)) + ("param/",)
+        cmp = compare(result["tensors"], {k: v for k, v in straight["tensors"].items() if k.startswith(later)})
+        REPORT.append(f"{name:<34} worst {cmp.worst_rel:.2e}  {cmp.worst_key}")
+        assert cmp.ok, (name, cmp.failures[:10])
