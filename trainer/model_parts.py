@@ -113,6 +113,7 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
     else:
         stage_ids = pipeline.stage_ids(meshes.world.get_local_rank("pp"))
         if plan.traced:
+            plan.check_traced_dtype(device)
             # The tracer needs real tensors: the whole model is initialised on CPU (as one process
             # would: same values), traced, and this rank keeps its stages' submodules.
             whole = plan.build_model()

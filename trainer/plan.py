@@ -85,6 +85,16 @@ class JobPlan:
             return torch.float32 if device.type == "cpu" else torch.bfloat16
         return torch_dtype(name)
 
+    def check_traced_dtype(self, device: torch.device) -> None:
+        """Traced stages run in float32 only: torch sizes their receive buffers from the trace's dtypes
+        (float32), which bf16/fp16 activations between stages would not match (untested on GPUs, refused)."""
+        if self.traced and self.compute_dtype(device) != torch.float32:
+            raise ConfigError(
+                f"[training] mixed_precision_param = {self.config.training.mixed_precision_param!r} gives"
+                f" {str(self.compute_dtype(device)).removeprefix('torch.')} compute on {device.type}, but"
+                " pipeline_parallel_frontend = \"tracer\" runs in float32 only; set mixed_precision_param ="
+                " \"float32\" or use the manual front-end")
+
     def rank_params(self, pp_rank: int) -> int:
         """Parameters held by pipeline rank ``pp_rank`` (all of them without pipelining)."""
         if self.pipeline is None:

@@ -380,3 +380,15 @@ def test_traced_stages_hold_the_planned_blocks_under_whole_model_names(family, l
     assert names == set(whole.state_dict())
     torch.testing.assert_close(out, whole(ids), rtol=0, atol=0)
     assert [s.blocks for s in plan.pipeline.stages] == [("0", "1", "2"), ("3",)]
+
+
+def test_the_tracer_refuses_low_precision_compute():
+    """auto precision is bf16 on accelerators: a traced run there stops before building anything."""
+    plan = load_plan(pp(2, *TRACER))
+    plan.check_traced_dtype(torch.device("cpu"))  # auto = float32 on CPU: fine
+    with pytest.raises(ConfigError) as info:
+        plan.check_traced_dtype(torch.device("cuda"))
+    assert str(info.value).startswith("[training] mixed_precision_param = 'auto' gives bfloat16 compute on cuda")
+    with pytest.raises(ConfigError):
+        load_plan(pp(2, *TRACER, "--training.mixed_precision_param", "bfloat16")).check_traced_dtype(torch.device("cpu"))
+    load_plan(pp(2, "--training.mixed_precision_param", "bfloat16")).check_traced_dtype(torch.device("cuda"))  # manual
