@@ -5,9 +5,14 @@
 
 from pathlib import Path
 
+import torch
+
+from trainer.activation_memory import activation_peaks
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
 from trainer.parallel.schedule_sim import timeline
 from trainer.plan import JobPlan
+
+DEVICE = "cuda"  # the dry run plans for the job's accelerators: mixed_precision_param "auto" means bf16
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -74,12 +79,24 @@ def describe_plan(plan: JobPlan) -> str:
         lines.append(f"Tensor parallel plan ({source}; block modules apply to every {spec.layers_attr}.N):")
         lines += plan.tp_plan.describe()
     pipeline = plan.pipeline
+    activations = activation_peaks(plan, DEVICE)
+    dtype = str(plan.compute_dtype(torch.device(DEVICE))).removeprefix("torch.")
+    if isinstance(activations, str):
+        act_note = f"activations not estimated: {activations}"
+    else:
+        act_note = (f"activations = what autograd saves for backward at the peak of the step, {dtype} compute on"
+                    f" accelerators, activation checkpointing {config.activation_checkpoint.mode!r}")
     if pipeline is None:
         lines.append(
             f"No pipeline: every rank runs the whole model; {plan.num_params / 1e6:,.2f}M parameters,"
             f" ~{plan.state_gib_per_device(0):.1f} GiB per device for parameters, gradients and"
-            f" Adam state (split {shard} ways by FSDP x CP x TP; activations not included)"
+            f" Adam state (split {shard} ways by FSDP x CP x TP)"
         )
+        if not isinstance(activations, str):
+            lines.append(f"Activations: ~{activations[0] / 2**30:.2f} GiB per device (microbatch of"
+                         f" {config.training.local_batch_size} x {plan.tokens_per_rank} tokens); total"
+                         f" ~{plan.state_gib_per_device(0) + activations[0] / 2**30:.1f} GiB")
+        lines.append(f"({act_note})")
         return "\n".join(lines) + "\n"
 
     bubble = plan.bubble()
@@ -104,15 +121,18 @@ def describe_plan(plan: JobPlan) -> str:
     ]
     lines += _table(["stage", "pp rank", "modules", "parameters", "fwd GFLOP/token"], rows)
     lines.append("")
+    known = not isinstance(activations, str)
     mem_rows = [
         [str(r), ", ".join(str(s) for s in pipeline.stage_ids(r)), f"{plan.rank_params(r) / 1e6:,.1f}M",
-         f"{plan.state_gib_per_device(r):.2f}"]
+         f"{plan.state_gib_per_device(r):.2f}",
+         f"{activations[r] / 2**30:.2f}" if known else "-",
+         f"{plan.state_gib_per_device(r) + activations[r] / 2**30:.2f}" if known else "-"]
         for r in range(pipeline.pp)
     ]
-    lines += _table(["pp rank", "stages", "parameters", "GiB per device"], mem_rows)
+    lines += _table(["pp rank", "stages", "parameters", "state GiB", "activations GiB", "total GiB"], mem_rows)
     lines.append(
-        f"(GiB per device: fp32 parameters, gradients and Adam state, split {shard} ways by FSDP x CP x TP;"
-        " activations not included)"
+        f"(state: fp32 parameters, gradients and Adam state per device, split {shard} ways by FSDP x CP x TP;"
+        f" {act_note})"
     )
     if bubble is not None:
         dump = Path(config.job.dump_folder)

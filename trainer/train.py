@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from trainer.activation_memory import activation_peaks
 from trainer.checkpoint import Checkpointer
 from trainer.config import JobConfig, to_toml
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
@@ -36,7 +37,7 @@ from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
 from trainer.parallel.pipeline import run_schedule, schedule_stages
 from trainer.plan import JobPlan, build_job_plan
-from trainer.profiling import PipelineTimeline, StepProfiler
+from trainer.profiling import PipelineTimeline, SavedActivationMeter, StepProfiler
 from trainer.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class TrainResult:
     step_times: list[float] = field(default_factory=list)  # seconds, data loading included
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
     pipeline_bubbles: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> pp rank -> measured bubble
+    activation_peaks: dict[int, list[int]] = field(default_factory=dict)  # step -> bytes saved for backward, per rank
 
 
 class StepObserver(Protocol):
@@ -258,6 +260,23 @@ def check_same_data(meshes: Meshes, fingerprint: str) -> None:
                         " (different files at the same path on different nodes?); every rank must see the same")
 
 
+def report_activation_peaks(run: Trainer, step: int, peak: int) -> list[int]:
+    """Every rank's measured peak of saved activations; the reporting rank logs them against the plan's estimate."""
+    peaks = [peak]
+    if dist.is_initialized():
+        peaks = [0] * dist.get_world_size()
+        dist.all_gather_object(peaks, peak)
+    if not dist.is_initialized() or dist.get_rank() == run.plan.reporting_rank:
+        estimate = activation_peaks(run.plan, run.device.type)
+        per_pp = run.plan.dims.world_size // run.plan.dims.pp  # global ranks per pipeline rank (pp is outermost)
+        for pp_rank in range(run.plan.dims.pp):
+            measured = max(peaks[pp_rank * per_pp:(pp_rank + 1) * per_pp])
+            expected = f"estimate {estimate[pp_rank] / 2**20:,.1f} MiB" if not isinstance(estimate, str) else estimate
+            logger.info("step %d saved activations, pp rank %d: peak %s MiB (%s)", step, pp_rank,
+                        f"{measured / 2**20:,.1f}", expected)
+    return peaks
+
+
 def gather_over_pipeline(values: dict[str, float], meshes: Meshes) -> dict[str, float]:
     """Per-layer metrics of every pipeline stage (each rank holds its own layers') on every rank."""
     if meshes.pp is None:
@@ -287,12 +306,16 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                 run.timeline.begin_step(step)
             if run.parts.cp is not None:  # this rank's part of each sequence
                 microbatches = [(run.parts.cp.shard(x), run.parts.cp.shard(y)) for x, y in microbatches]
-            loss, grad_norm = train_step(
-                run.parts, run.optimizers, microbatches, max_norm=config.training.max_norm, autocast=run.autocast,
-                step_context=run.step_context, meshes=run.meshes,
-                on_grads=None if observer is None else (lambda: observer.on_grads(step, run.parts)),  # noqa: B023
-                progress=watchdog.beat if watchdog is not None else (lambda: None),
-            )
+            metered = step in config.profiling.activation_memory_steps
+            with SavedActivationMeter(run.parts.chunks) if metered else contextlib.nullcontext() as meter:
+                loss, grad_norm = train_step(
+                    run.parts, run.optimizers, microbatches, max_norm=config.training.max_norm, autocast=run.autocast,
+                    step_context=run.step_context, meshes=run.meshes,
+                    on_grads=None if observer is None else (lambda: observer.on_grads(step, run.parts)),  # noqa: B023
+                    progress=watchdog.beat if watchdog is not None else (lambda: None),
+                )
+            if metered:
+                result.activation_peaks[step] = report_activation_peaks(run, step, meter.peak)
             if step == start_step + 1 and run.parts.cp is not None and run.parts.cp.attention().calls == 0:
                 raise UserError(  # every rank of the job runs the same model: all stop here
                     "[parallelism] context_parallel_degree: the model's attention does not call"

@@ -72,4 +72,5 @@ if __name__ == "__main__":
     torch.save(recorder.tensors, f"{out}.rank{rank}.pt")
     if rank == 0:
         Path(out).write_text(json.dumps({"losses": result.losses, "grad_norms": result.grad_norms,
-                                               "eval_losses": result.eval_losses}))
+                                               "eval_losses": result.eval_losses,
+                                               "activation_peaks": result.activation_peaks}))

@@ -314,6 +314,9 @@ class Profiling:
     """On CUDA: record allocations and dump a memory snapshot every profile_freq steps (view at pytorch.org/memory_viz)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Folder for memory snapshots, relative to the dump folder."""
+    activation_memory_steps: list[int] = field(default_factory=list)
+    """Steps at which every rank measures what autograd keeps for backward (saved-tensor hooks, each storage once)
+    and logs its peak next to the plan's estimate (the dry run's activations column). Costs a hook per saved tensor."""
     pipeline_timeline_steps: list[int] = field(default_factory=list)
     """Steps whose pipeline actions (F, B, I, W of each stage and microbatch) every rank times; merged into <save_traces_folder>/pipeline_timeline_step<N>.json (Chrome/Perfetto trace), with each pipeline rank's measured bubble logged. Pipelined jobs only."""
 

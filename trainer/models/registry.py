@@ -41,6 +41,20 @@ class HFAdapter:
         return self.hf_names(name, args) if self.hf_names is not None else [self.hf_name(name)]
 
 
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes autograd keeps from forward to backward, per token of one microbatch on one rank."""
+
+    blocks: tuple[float, ...]
+    """Each block (in order), without activation checkpointing."""
+    block_input: float
+    """What a checkpointed block keeps: its input."""
+    pre: float
+    """The modules before the blocks (first pipeline stage)."""
+    post: float
+    """The modules after the blocks and the loss (last pipeline stage)."""
+
+
 def _size_rotary_table(args: Any, seq_len: int) -> Any:
     """Default ``with_seq_len``: families whose args have ``max_seq_len`` get it set to seq_len."""
     if any(f.name == "max_seq_len" for f in dataclasses.fields(args)):
@@ -92,6 +106,9 @@ class ModelSpec:
     (e.g. MoE load counts and balancing-bias updates). The metrics go to TensorBoard under the family's name."""
     num_experts: Callable[[Any], int] | None = None
     """args -> routed experts per MoE layer; families with experts support expert parallelism."""
+    activation_bytes: Callable[..., ActivationBytes] | None = None
+    """(args, dtype_bytes=, tp=, sequence_parallel=, loss_parallel=) -> what autograd saves per token
+    (trainer/activation_memory.py turns it into per-rank peaks for the dry run); None = not estimated."""
     cp_buffers: tuple[str, ...] = ()
     """Buffers indexed by sequence position (e.g. the rotary table). A family supports context
     parallelism when it names them and its attention is a causal F.scaled_dot_product_attention."""

@@ -2,7 +2,7 @@
 
 from trainer.models.llama import hf
 from trainer.models.llama.args import FLAVORS, LlamaArgs, validate_llama_args
-from trainer.models.llama.model import TIED_WEIGHTS, Transformer, llama_flops_per_token
+from trainer.models.llama.model import TIED_WEIGHTS, Transformer, llama_activation_bytes, llama_flops_per_token
 from trainer.models.llama.tp_plan import build_tp_plan
 from trainer.models.registry import HFAdapter, ModelSpec, register_model
 
@@ -16,6 +16,7 @@ register_model(
         tied_weights=TIED_WEIGHTS,
         tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads},
         cp_buffers=("rope",),
+        activation_bytes=llama_activation_bytes,
         validate_args=validate_llama_args,
         hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config),
     )

@@ -13,6 +13,7 @@ from torch import nn
 
 from trainer.models.init import InitFn, constant_, init_param_, normal_
 from trainer.models.llama.args import LlamaArgs
+from trainer.models.registry import ActivationBytes
 
 # With tie_embeddings, the output projection is the embedding matrix. A pipeline stage that
 # holds only the output projection initialises it under the embedding's name, so both copies
@@ -157,3 +158,31 @@ def llama_flops_per_token(args: LlamaArgs, seq_len: int) -> float:
     mlp = 3 * args.dim * args.ffn_hidden_dim
     matmul_params = args.n_layers * (attn + mlp) + args.dim * args.vocab_size
     return 6 * matmul_params + 12 * args.n_layers * args.dim * seq_len
+
+
+def llama_activation_bytes(args: LlamaArgs, *, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False,
+                           loss_parallel: bool = False) -> ActivationBytes:
+    """What autograd saves per token, counted from this module's operations (and checked against
+    saved-tensor hooks in tests/unit/test_activation_memory.py).
+
+    Per block, in the compute dtype: each RMSNorm keeps its input, the normalised input (for the
+    weight's gradient) and its output (the next matmuls' input) plus one fp32 scalar; attention keeps
+    the rotated q and k, v, and the output of scaled_dot_product_attention (which is also wo's input)
+    plus a float32 log-sum-exp per head; SwiGLU keeps w1's and w3's outputs, silu's output and their
+    product. Under TP the heads and the hidden units are split; with sequence parallelism the norms'
+    tensors are split along the sequence too, but the gathered norm output that the matmuls keep is whole.
+    After the blocks: the final norm and the loss's float32 log-softmax (split over the vocabulary
+    under loss parallelism). Before them: the token ids (int64).
+    """
+    b, d = dtype_bytes, args.dim
+    heads, kv = args.n_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    norm_share = d / tp if sequence_parallel else d
+    # a norm: input and normalised input (sequence-split under SP), output as the matmuls keep it (whole)
+    norm = b * (2 * norm_share + d) + 4
+    attention = b * (2 * heads + 2 * kv) / tp + 4 * args.n_heads / tp
+    mlp = b * 4 * args.ffn_hidden_dim / tp
+    block = 2 * norm + attention + mlp
+    final_norm = b * 3 * norm_share + 4
+    vocab = args.vocab_size / tp if loss_parallel else args.vocab_size
+    return ActivationBytes(blocks=(block,) * args.n_layers, block_input=b * norm_share, pre=8.0,
+                           post=final_norm + 4 * vocab + 8)

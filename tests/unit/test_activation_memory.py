@@ -1,0 +1,54 @@
+"""Activation memory: the saved-tensor meter counts what autograd keeps, and the plan's estimate of a
+one-process run equals what the meter counts (pipelined layouts: tests/distributed/test_pp_parity.py)."""
+
+import pytest
+import torch
+
+from tests.conftest import load_plan
+from trainer.activation_memory import activation_peaks
+from trainer.config import load_config
+from trainer.profiling import SavedActivationMeter
+
+
+def test_the_meter_counts_each_saved_storage_once_and_releases_it_after_backward():
+    weight = torch.nn.Parameter(torch.ones(1000))
+    x = torch.randn(1000, requires_grad=True)
+    meter = SavedActivationMeter([torch.nn.Linear(1, 1)])
+    with meter:
+        a = (x * weight).sin()  # mul saves x (4000 B) and the parameter (left out); sin saves x * weight (4000 B)
+        e = a.exp()  # exp saves its output (4000 B)
+        b = (e * e).sum()  # mul saves e twice: the same storage, counted once
+        assert meter.current == 3 * 4000
+        c = x[:500].cos().sum()  # a view of x: x's storage is already counted
+        assert meter.current == 3 * 4000
+    (b + c).backward()
+    assert meter.peak == 3 * 4000 and meter.current == 0
+
+
+def test_a_graph_dropped_without_a_full_backward_releases_its_saved_outputs():
+    """As in a split backward (input gradients with retain_graph, then the graph is dropped): saved outputs
+    must not keep their own graph alive through the meter (a reference cycle no collector sees)."""
+    x = torch.randn(100, requires_grad=True)
+    meter = SavedActivationMeter([])
+    with meter:
+        y = x.exp().tanh().sigmoid().sum()  # all three save their outputs
+    torch.autograd.grad(y, x, retain_graph=True)
+    assert meter.current == 3 * 400
+    del y
+    assert meter.current == 0 and meter.peak == 3 * 400
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["--training.global_batch_size", "16"],  # accumulation 2: one microbatch alive at a time
+], ids=["single", "accumulation"])
+def test_the_estimate_of_one_process_equals_what_autograd_saves(tmp_path, overrides):
+    from trainer.train import main
+
+    args = ["--model.overrides.n_layers", "2", "--training.seq_len", "64", "--training.steps", "1",
+            "--profiling.activation_memory_steps", "1", "--validation.no-enable", "--metrics.no-enable_tensorboard",
+            "--job.dump_folder", str(tmp_path), *overrides]
+    result = main(load_config(overrides=args))
+    (estimate,) = activation_peaks(load_plan(args), "cpu")
+    (measured,) = result.activation_peaks[1]
+    assert estimate == pytest.approx(measured, rel=0.02)
