@@ -79,6 +79,7 @@ def describe_plan(plan: JobPlan) -> str:
         lines.append(f"Tensor parallel plan ({source}; block modules apply to every {spec.layers_attr}.N):")
         lines += plan.tp_plan.describe()
     pipeline = plan.pipeline
+    plan.check_traced_dtype(torch.device(DEVICE))  # what the launch on accelerators would refuse
     activations = activation_peaks(plan, DEVICE)
     dtype = str(plan.compute_dtype(torch.device(DEVICE))).removeprefix("torch.")
     if isinstance(activations, str):

@@ -172,6 +172,11 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     # Unshardable sizes fail here (a derived plan runs one meta forward), not after launch.
     tp_plan = resolve_tp_plan(spec, whole, p, seq_len=t.seq_len)
     pipeline, n_micro = None, 1
+    if dims.pp > 1 and p.pipeline_parallel_frontend == "manual" and not isinstance(
+            getattr(whole, spec.layers_attr, None), nn.ModuleDict):
+        raise ConfigError(f"[parallelism] pipeline_parallel_frontend = \"manual\": model family {spec.name} holds its"
+                          f" blocks ({spec.layers_attr}) in a {type(getattr(whole, spec.layers_attr, None)).__name__},"
+                          " not a ModuleDict whose entries a stage can delete; set pipeline_parallel_frontend = \"tracer\"")
     if dims.pp > 1:
         pipeline = build_pipeline_plan(p, whole, layers_attr=spec.layers_attr, pre=spec.pre_layers,
                                        post=spec.post_layers, seq_len=t.seq_len)

@@ -240,7 +240,9 @@ class SavedActivationMeter:
     reference (after the backward that used it). Parameters and buffers (also gathered FSDP
     parameters and their transposed views) are not activations and are left out. Tensors kept
     by activation checkpointing's own frames are invisible to the hook, so under AC this counts
-    only what the non-checkpointed code saves.
+    only what the non-checkpointed code saves. Under autocast (bf16 without FSDP), the low-precision
+    copies of the weights that matmuls save are not parameters and are counted (an overcount by up to
+    the model's bf16 size); CPU runs in float32 have no such copies.
     """
 
     def __init__(self, chunks) -> None:

@@ -272,6 +272,8 @@ def report_activation_peaks(run: Trainer, step: int, peak: int) -> list[int]:
         for pp_rank in range(run.plan.dims.pp):
             measured = max(peaks[pp_rank * per_pp:(pp_rank + 1) * per_pp])
             expected = f"estimate {estimate[pp_rank] / 2**20:,.1f} MiB" if not isinstance(estimate, str) else estimate
+            if run.plan.config.activation_checkpoint.mode != "none":
+                expected += "; the hooks do not see what activation checkpointing keeps"
             logger.info("step %d saved activations, pp rank %d: peak %s MiB (%s)", step, pp_rank,
                         f"{measured / 2**20:,.1f}", expected)
     return peaks

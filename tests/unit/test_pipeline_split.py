@@ -306,6 +306,28 @@ def test_every_torch_schedule_written_as_csv_passes_the_check(tmp_path, schedule
 
 # -- the dry run ---------------------------------------------------------------------------------
 
+def test_dry_run_shows_state_and_activations_per_rank():
+    """Activation column: 1F1B on 2 ranks, microbatches of 1 x 256 tokens, bf16 (the dry run plans accelerators);
+    rank 0 holds 2 microbatches of stage 0 in flight, rank 1 one of stage 1 (derived from the Llama per-token
+    bytes and the schedule, as trainer/activation_memory.py documents)."""
+    from trainer.activation_memory import activation_peaks
+
+    plan = load_plan(pp(2))
+    text = describe_plan(plan)
+    per_token = LLAMA.activation_bytes(plan.model_args, dtype_bytes=2)
+    tokens = 256
+    stage0 = tokens * (per_token.pre + sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[0].blocks))
+    stage1 = tokens * (sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[1].blocks) + per_token.post)
+    assert activation_peaks(plan, "cuda") == pytest.approx([2 * stage0, stage1])
+    assert "state GiB  activations GiB  total GiB" in text
+    assert f"{2 * stage0 / 2**30:.2f}" in text.split("activations GiB")[1]
+    assert "bfloat16 compute on accelerators" in text
+    no_pp = describe_plan(load_plan([]))
+    assert "Activations: ~" in no_pp and "microbatch of 8 x 256 tokens" in no_pp
+    cp = describe_plan(load_plan(["--parallelism.context_parallel_degree", "2"]))
+    assert "activations not estimated: not modelled under context parallelism" in cp
+
+
 def test_dry_run_plans_8b_on_64_ranks(tmp_path):
     plan = load_plan([
         "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
@@ -325,12 +347,29 @@ def test_dry_run_plans_8b_on_64_ranks(tmp_path):
 
 def test_dry_run_of_a_traced_sequential_family():
     """A family with its blocks in an nn.Sequential: split points and costs come from its children."""
-    plan = load_plan(pp(2, *TRACER, "--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny",
-                        "--model.overrides.n_layers", "4", "--parallelism.pipeline_parallel_split_points", "blocks.1"))
-    text = describe_plan(plan)
+    args = pp(2, *TRACER, "--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny",
+              "--model.overrides.n_layers", "4", "--parallelism.pipeline_parallel_split_points", "blocks.1")
+    text = describe_plan(load_plan(args + ["--training.mixed_precision_param", "float32"]))
     assert "Split points: ['blocks.1']" in text and "Front-end: tracer" in text
+    assert "activations not estimated: model family seq_gpt does not declare ModelSpec.activation_bytes" in text
+    plan = load_plan(args)
     assert [s.blocks for s in plan.pipeline.stages] == [("0",), ("1", "2", "3")]
     assert plan.traced
+    with pytest.raises(ConfigError, match="runs in float32 only"):  # the dry run plans bf16 accelerators
+        describe_plan(plan)
+
+
+def test_the_manual_front_end_refuses_blocks_it_cannot_delete():
+    import dataclasses
+
+    import seq_gpt  # noqa: F401  (registers the family)
+    from trainer.models import get_model_spec, register_model
+
+    register_model(dataclasses.replace(get_model_spec("seq_gpt"), name="seq_gpt_claims_manual", manual_split=True))
+    with pytest.raises(ConfigError) as info:
+        load_plan(pp(2, "--model.name", "seq_gpt_claims_manual", "--model.flavor", "tiny"))
+    assert 'holds its blocks (blocks) in a Sequential, not a ModuleDict' in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 def test_a_model_torch_cannot_trace_stops_with_one_line():
@@ -392,3 +431,56 @@ def test_the_tracer_refuses_low_precision_compute():
     with pytest.raises(ConfigError):
         load_plan(pp(2, *TRACER, "--training.mixed_precision_param", "bfloat16")).check_traced_dtype(torch.device("cpu"))
     load_plan(pp(2, "--training.mixed_precision_param", "bfloat16")).check_traced_dtype(torch.device("cuda"))  # manual
+
+
+TRACED_MEMORY = """
+import gc, os, sys, weakref, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from torch.distributed.device_mesh import init_device_mesh
+from tests.conftest import load_plan
+from trainer.models.init import materialize_
+from trainer.parallel.pipeline import trace_pipeline, traced_stages
+plan = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend", "tracer",
+                  "--training.seq_len", "16"], world_size=2)
+whole = plan.build_model()
+materialize_(whole, torch.device("cpu"), 0)
+mine, other = weakref.ref(whole.layers["0"].attention.wq.weight), weakref.ref(whole.layers["5"].attention.wq.weight)
+pipe = trace_pipeline(whole, plan.pipeline, "layers", torch.zeros(1, 16, dtype=torch.long))
+del whole
+stages = traced_stages(pipe, [0], pp_mesh=init_device_mesh("cpu", (1,)), device=torch.device("cpu"))
+del pipe
+gc.collect()
+print(mine() is not None, other() is not None)
+"""
+
+
+def test_a_traced_rank_keeps_only_its_own_stages(tmp_path):
+    """The whole model is initialised on CPU for tracing; after the stages are built, another stage's tensors
+    are freed (the split graph held every stage's submodule) and this rank's stay."""
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", TRACED_MEMORY, str(port)], cwd=repo, capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONPATH": str(repo)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-2:] == ["True", "False"]
+
+
+def test_modules_that_change_in_evaluation_are_refused_by_the_tracer():
+    from torch import nn
+
+    from trainer.parallel.pipeline import trace_pipeline
+    from trainer.parallel.pipeline_split import PipelinePlan, Stage
+
+    model = nn.Module()
+    model.layers = nn.ModuleDict({"0": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), "1": nn.Linear(4, 4)})
+    plan = PipelinePlan((Stage(0, ("0",), True, False), Stage(1, ("1",), False, True)), 2, "1F1B", "loop")
+    with pytest.raises(ConfigError, match="the model has Dropout, which a traced graph would keep in training mode"):
+        trace_pipeline(model, plan, "layers", torch.ones(1, 4))

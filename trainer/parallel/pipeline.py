@@ -56,11 +56,20 @@ def trace_pipeline(model: nn.Module, plan: PipelinePlan, layers_attr: str, examp
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     points = plan.split_points(layers_attr)
+    # The graph is traced in training mode and does not change with eval(): modules that behave
+    # differently in evaluation would keep their training behaviour there.
+    modal = sorted({type(m).__name__ for m in model.modules()
+                    if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                    or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)})
+    if modal:
+        raise ConfigError(f"{TRACER_KEY}: the model has {', '.join(modal)}, which a traced graph would keep in"
+                          " training mode during evaluation; use the manual front-end")
     try:
         pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
-    except Exception as e:  # torch.export's errors are long: the first line names the construct
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"{TRACER_KEY}: torch could not trace the model: {type(e).__name__}: {first}") from None
+    except Exception as e:  # torch wraps torch.export's error; its first line names the construct
+        cause = e.__cause__ or e
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        raise ConfigError(f"{TRACER_KEY}: torch could not trace the model: {type(cause).__name__}: {first}") from None
     if pipe.num_stages != plan.num_stages:
         raise ConfigError(f"{TRACER_KEY}: tracing split the model into {pipe.num_stages} stages, not"
                           f" {plan.num_stages} (split points {points} must each start a module the forward calls)")
@@ -97,6 +106,12 @@ def traced_stages(pipe, stage_ids: list[int], *, pp_mesh: DeviceMesh, device: to
         stage = pipe.build_stage(sid, device, pp_mesh.get_group())
         stage.__class__ = TracedStage  # build_stage also rewrites device constants of the traced graph
         stages.append(stage)
+    # The stages keep the split graph (pipe_info), which holds every stage's submodule: drop the
+    # other ranks' stages so their (whole-model, CPU) tensors are freed.
+    mine = {id(pipe.get_stage_module(sid)) for sid in stage_ids}
+    for name, module in list(pipe.split_gm.named_children()):
+        if id(module) not in mine:
+            delattr(pipe.split_gm, name)
     return stages
 
 

@@ -121,13 +121,17 @@ class Deadlock(RuntimeError):
         self.blocked = blocked
 
 
+_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
 def _flatten(action) -> list[tuple[str, int, int]]:
     if action is None:
         return []
     if action.sub_actions:
         return [x for sub in action.sub_actions for x in _flatten(sub)]
-    kind = action.computation_type.value
-    if kind not in COST:  # communication, resharding, gradient reduction: not compute
+    # by name: older torch releases numbered these types instead of lettering them
+    kind = _KINDS.get(action.computation_type.name)
+    if kind is None:  # communication, resharding, gradient reduction: not compute
         return []
     return [(kind, action.stage_index, action.microbatch_index)]
 
