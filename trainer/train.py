@@ -295,6 +295,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
     result = TrainResult()
     distributed = run.plan.dims.world_size > 1
     watchdog = Watchdog(config.comm.train_timeout_seconds, dist.get_rank()) if distributed else None
+    if watchdog is not None:  # the first step warms up (compilation, pipeline shape inference): the init timeout
+        watchdog.arm(config.comm.init_timeout_seconds, "[comm] init_timeout_seconds")
     gc.disable()  # collected every gc_freq steps instead, so pauses happen at known points
     try:
         last_step = min(config.training.steps, config.training.stop_at_step or config.training.steps)
@@ -336,7 +338,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                 )
             if step == start_step + 1 and distributed:
                 set_train_timeout(config.comm.train_timeout_seconds)
-                watchdog.arm()
+                watchdog.arm(config.comm.train_timeout_seconds)
             elif watchdog is not None:
                 watchdog.beat()
             result.losses.append(loss_value)

@@ -2,9 +2,11 @@
 
 Collective timeouts do not cover everything: on gloo, a pipeline rank waiting to receive from a
 peer that stopped answering (a stopped or stuck process, not a dead one) waits on the timeout
-its group was created with, not the train timeout. The watchdog covers any such wait: once
-training runs, if no step completes within the timeout, this rank prints one line and exits,
-and the launcher then ends the job.
+its group was created with, not the train timeout, and the wait of a functional collective (expert
+parallelism's all-to-all) was seen to ignore the group's timeout altogether. The watchdog covers any
+such wait: if no progress is made within the timeout, this rank prints one line and exits, and the
+launcher then ends the job. The first step (warm-up: compilation, pipeline shape inference) is
+bounded by ``[comm] init_timeout_seconds``, every later one by the train timeout.
 """
 
 import contextlib
@@ -17,6 +19,7 @@ import time
 class Watchdog:
     def __init__(self, timeout_seconds: float, rank: int):
         self.timeout, self.rank = timeout_seconds, rank
+        self.key = "[comm] train_timeout_seconds"
         self._last = time.monotonic()
         self._armed = False
         self._stop = threading.Event()
@@ -27,8 +30,11 @@ class Watchdog:
         """Progress was made (a microbatch, a pipeline step, a phase of the step, a step)."""
         self._last = time.monotonic()
 
-    def arm(self) -> None:
-        """Start watching (after the first step: set-up and warm-up are not bounded by the timeout)."""
+    def arm(self, timeout_seconds: float | None = None, key: str = "[comm] train_timeout_seconds") -> None:
+        """Start watching with ``timeout_seconds`` (default: the one given at construction), the config ``key``
+        that sets it named in the message."""
+        self.timeout = timeout_seconds if timeout_seconds is not None else self.timeout
+        self.key = key
         self._last = time.monotonic()
         self._armed = True
 
@@ -48,6 +54,6 @@ class Watchdog:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             if self._armed and time.monotonic() - self._last > self.timeout:
                 print(f"error: rank {self.rank}: no training progress for {self.timeout:g} s (a peer rank is probably"
-                      " stuck or dead); raise [comm] train_timeout_seconds if a step legitimately takes longer",
+                      f" stuck or dead); raise {self.key} if a step legitimately takes longer",
                       file=sys.stderr, flush=True)
                 os._exit(1)  # the main thread is blocked in a wait that nothing else will end

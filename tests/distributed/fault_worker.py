@@ -1,4 +1,4 @@
-"""Run under torchrun: the real entry point (train.py's ``run``), with one rank failing at step 3.
+"""Run under torchrun: the real entry point (train.py's ``run``), with one rank failing at step 3 (or FAULT_STEP).
 
     FAULT=die|hang torchrun --nproc_per_node 2 tests/distributed/fault_worker.py --section.key value ...
 die: rank 1 kills itself (SIGKILL). hang: rank 1 stops itself (SIGSTOP) and never answers again.
@@ -20,7 +20,7 @@ calls = {"n": 0}
 
 def failing_step(*args, **kwargs):
     calls["n"] += 1
-    if calls["n"] == 3 and os.environ.get("RANK") == "1":
+    if calls["n"] == int(os.environ.get("FAULT_STEP", "3")) and os.environ.get("RANK") == "1":
         os.kill(os.getpid(), signal.SIGKILL if os.environ["FAULT"] == "die" else signal.SIGSTOP)
     return real_step(*args, **kwargs)
 

@@ -40,3 +40,23 @@ def test_a_dead_or_hung_rank_ends_the_job(fault, layout, tmp_path):
     assert "Traceback" not in output, output[-3000:]
     if fault == "hang":  # the survivor says why it gave up, in one line
         assert re.search(r"error: rank 0: (no training progress for 5 s|lost contact with another rank)", output)
+
+
+@pytest.mark.slow
+def test_a_rank_hung_in_the_first_step_ends_the_job_within_the_init_timeout(tmp_path):
+    """Rank 1 stops before its first step of an expert-parallel run (whose all-to-all waits were seen to ignore
+    the group timeout): the first step is bounded by [comm] init_timeout_seconds, not left to hang."""
+    from tests.distributed.test_moe_parity import BASE, EP2
+
+    args = [str(REPO / "tests" / "distributed" / "fault_worker.py"), *BASE, "--training.steps", "50", *EP2,
+            "--training.local_batch_size", "4", "--comm.init_timeout_seconds", str(TIMEOUT),
+            "--comm.train_timeout_seconds", "100", "--job.dump_folder", str(tmp_path)]
+    start = time.monotonic()
+    proc = torchrun(2, args, tmp_path, timeout=300, env={"FAULT": "hang", "FAULT_STEP": "1"})
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert elapsed < TIMEOUT + GRACE, f"took {elapsed:.0f} s"
+    assert "Traceback" not in output, output[-3000:]
+    assert re.search(r"error: rank 0: (no training progress for 5 s .*init_timeout_seconds|lost contact with another"
+                     r" rank)", output), output[-3000:]

@@ -286,7 +286,8 @@ class Metrics:
 @dataclass(frozen=True, kw_only=True)
 class Comm:
     init_timeout_seconds: Annotated[int, Timeout] = 300
-    """Timeout for process-group set-up and the first collectives, in seconds."""
+    """Timeout for process-group set-up, the first collectives and the first training step (the watchdog ends a rank
+    whose first step makes no progress for this long), in seconds."""
     train_timeout_seconds: Annotated[int, Timeout] = 100
     """Once training runs: timeout of every collective, and of the watchdog that ends a rank making no progress (no microbatch or pipeline step done) for this long, in seconds."""
 
