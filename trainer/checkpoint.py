@@ -28,16 +28,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from trainer.config import schema
 from trainer.config.schema import CHECKPOINT_PARTS
@@ -49,7 +39,19 @@ logger = logging.getLogger(__name__)
 # The LR schedule is a function of the step counter in train_state, so it is not a part of its own.
 PARTS = CHECKPOINT_PARTS
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _dcp():
+    """torch.distributed.checkpoint with its state_dict helpers, imported at the first save or load: it
+    imports DTensor and FSDP (~0.6 s), which a run that has not reached a checkpoint does not need."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (dcp.state_dict.*)
+
+    return dcp
+
+
+def _optim_options():
+    return _dcp().state_dict.StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 MANIFEST = "checksums.json"
@@ -152,7 +154,7 @@ def complete_steps(folder: Path) -> list[int]:
 def _is_full(path: Path) -> bool:
     """Whether the checkpoint at ``path`` can continue a run (it holds the step counter)."""
     try:
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        keys = _dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception:  # unreadable: let _load report it
         return True
     return any(key.startswith("train_state.") for key in keys)
@@ -186,14 +188,14 @@ class Checkpointer:
     def _model_state(self) -> dict[str, torch.Tensor]:
         state = {}
         for chunk in self.chunks:
-            for key, value in get_model_state_dict(chunk).items():
+            for key, value in _dcp().state_dict.get_model_state_dict(chunk).items():
                 state[self._canonical(key)] = value
         return state
 
     def _optimizer_state(self) -> dict[str, object]:
         state = {}
         for chunk, opt in zip(self.chunks, self.optimizers.optimizers):
-            for key, value in get_optimizer_state_dict(chunk, opt, options=_OPTIM).items():
+            for key, value in _dcp().state_dict.get_optimizer_state_dict(chunk, opt, options=_optim_options()).items():
                 state[self._canonical(key)] = value
         return state
 
@@ -242,13 +244,13 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         if background:
-            saving = dcp.async_save(state, checkpoint_id=str(tmp))
+            saving = _dcp().async_save(state, checkpoint_id=str(tmp))
             if self._background is None:
                 self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
             self.pending = (self._background.submit(self._finish_files, saving, tmp), name)
             logger.info("checkpoint %s: saving in the background", name)
         else:
-            dcp.save(state, checkpoint_id=str(tmp))
+            _dcp().save(state, checkpoint_id=str(tmp))
             _barrier()  # every rank's files are on disk before any rank lists the folder
             if self.cfg.verify:
                 hash_share(tmp)
@@ -355,7 +357,7 @@ class Checkpointer:
 
     def _load(self, path: Path, step: int | None) -> int:
         try:
-            saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+            saved = set(_dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         except Exception as e:  # missing or unreadable .metadata
             raise UserError(f"[checkpoint] {path} is not a readable checkpoint ({type(e).__name__}: {e})") from None
         parts_in_file = {key.split(".")[0] for key in saved}
@@ -380,8 +382,11 @@ class Checkpointer:
         state = {k: v for k, v in full.items() if k in wanted}
         if "dataloader" in state:  # every saved key: a stream's lanes were saved by the ranks that own them
             state["dataloader"] = {k.split(".", 1)[1]: torch.tensor(0) for k in saved if k.startswith("dataloader.")}
+        dcp = _dcp()
+        from torch.distributed.checkpoint.api import CheckpointException
+
         try:
-            dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=False))
+            dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=False))
         except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
             cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
             first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
@@ -390,13 +395,13 @@ class Checkpointer:
                 " model shape?"
             ) from None
         for chunk in self.chunks:
-            keys = get_model_state_dict(chunk).keys()
-            set_model_state_dict(chunk, {k: state["model"][self._canonical(k)] for k in keys})
+            keys = dcp.state_dict.get_model_state_dict(chunk).keys()
+            dcp.state_dict.set_model_state_dict(chunk, {k: state["model"][self._canonical(k)] for k in keys})
         if "optimizer" in state:
             for chunk, opt in zip(self.chunks, self.optimizers.optimizers):
-                keys = get_optimizer_state_dict(chunk, opt, options=_OPTIM).keys()
+                keys = dcp.state_dict.get_optimizer_state_dict(chunk, opt, options=_optim_options()).keys()
                 chunk_state = {k: state["optimizer"][self._canonical(k)] for k in keys}
-                set_optimizer_state_dict(chunk, opt, chunk_state, options=_OPTIM)
+                dcp.state_dict.set_optimizer_state_dict(chunk, opt, chunk_state, options=_optim_options())
         resumed = int(state["train_state"]["step"]) if "train_state" in state else 0
         # The LR schedule continues from the step the run continues from (0 when train_state is
         # excluded: both restart), so the schedule and the step counter always agree.

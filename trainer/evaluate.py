@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from trainer.data import WindowLoader
+from trainer.dtensor import full_tensor
 from trainer.loss import count_label_tokens
 from trainer.model_parts import ModelParts, summed_loss
 from trainer.parallel.mesh import Meshes, all_reduce_sum
@@ -66,7 +66,7 @@ class Evaluator:
                             with autocast():
                                 losses = pipeline_forward(parts, meshes, inputs, labels)
                     for loss in losses:
-                        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).float()
+                        total += full_tensor(loss).float()
                     progress()
                 tokens += count_label_tokens(microbatches)
         finally:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
+from trainer.dtensor import full_tensor
 from trainer.errors import UserError
 from trainer.models import ModelSpec
 from trainer.models.init import copy_full_
@@ -45,7 +45,7 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
     tensors = {}
     for chunk in chunks:
         for name, value in chunk.state_dict().items():
-            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = full_tensor(value)
             if name in aliases:  # HF ties lm_head to the embedding itself (tie_word_embeddings)
                 continue
             converted = hf.to_hf(name, full.detach().to("cpu", dtype), args)

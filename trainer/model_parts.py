@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from trainer import loss as loss_mod
+from trainer.dtensor import local_tensor
 from trainer.models.init import materialize_
 from trainer.parallel.cp import ContextParallel, apply_cp
 from trainer.parallel.ep import expert_modules
@@ -81,7 +81,7 @@ class ModelParts:
         """Sum the gradients of the two copies of a tied weight held by the first and last stage."""
         if not self.tied:
             return
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.tied]
+        grads = [local_tensor(p.grad) for p in self.tied]
         if len(grads) == 2:  # V placement: both copies on this rank, no communication
             grads[0].add_(grads[1])
             grads[1].copy_(grads[0])

@@ -4,11 +4,11 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer.config import schema
 from trainer.config.validate import decay_steps, warmup_steps
+from trainer.dtensor import is_dtensor
 
 
 def build_optimizer(model: nn.Module, optimizer: schema.Optimizer) -> torch.optim.Optimizer:
@@ -21,7 +21,7 @@ def build_optimizer(model: nn.Module, optimizer: schema.Optimizer) -> torch.opti
     groups: dict[tuple, list] = {}
     for p in model.parameters():
         if p.requires_grad:
-            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            mesh = p.device_mesh if is_dtensor(p) else None
             groups.setdefault((p.ndim >= 2, id(mesh)), []).append(p)
     impl = {
         "for-loop": {"foreach": False, "fused": False},

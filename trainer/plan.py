@@ -58,8 +58,7 @@ class JobPlan:
 
     def build_model(self) -> nn.Module:
         """The whole model on the meta device (a pipeline chunk removes what its stage does not own)."""
-        with torch.device("meta"):
-            return self.spec.model_cls(self.model_args)
+        return self.spec.meta_model(self.model_args)
 
     @property
     def vocab_size(self) -> int:
@@ -166,8 +165,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
             f"[parallelism] context_parallel_degree={dims.cp}: model family {spec.name} does not declare"
             " its position-indexed buffers (ModelSpec.cp_buffers), so it cannot be split along the sequence"
         )
-    with torch.device("meta"):
-        whole = spec.model_cls(args)  # the plan's one model build: sizes, costs, split, TP plan
+    whole = spec.meta_model(args)  # the plan's one model build: sizes, costs, split, TP plan
     num_params = sum(x.numel() for x in whole.parameters())
     # Unshardable sizes fail here (a derived plan runs one meta forward), not after launch.
     tp_plan = resolve_tp_plan(spec, whole, p, seq_len=t.seq_len)

@@ -19,13 +19,12 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from trainer.activation_memory import activation_peaks
 from trainer.checkpoint import Checkpointer
 from trainer.config import JobConfig, to_toml
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
+from trainer.dtensor import full_tensor, local_tensor
 from trainer.env import init_determinism, init_device, init_logging
 from trainer.errors import TrainingDiverged, UserError
 from trainer.evaluate import Evaluator
@@ -115,7 +114,7 @@ def train_step(
     experts = {id(p) for p in parts.expert_params}
     for average, params in ((meshes.dims.grad_average, [p for p in parts.chunks.parameters() if id(p) not in experts]),
                             (meshes.expert_grad_average, parts.expert_params)):
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, (average / num_tokens).to(grads[0].device))
     parts.sync_tied_grads()
@@ -132,7 +131,7 @@ def train_step(
     # summing over dp, cp and pp gives every rank the global loss.
     total = torch.zeros((), device=num_tokens.device)
     for loss in summed:
-        total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        total += full_tensor(loss).detach()
     total /= num_tokens
     all_reduce_sum(total, meshes.batch_groups() + ([pp_group] if pp_group is not None else []))
     return total, grad_norm
@@ -202,6 +201,8 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
     def step_context() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         if tp_loss:
+            from torch.distributed.tensor.parallel import loss_parallel
+
             stack.enter_context(loss_parallel())
         if parts.cp is not None:
             stack.enter_context(parts.cp.attention())

@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 
-import trainer.checkpoint as ckpt  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.train import main  # noqa: E402
 
@@ -47,6 +46,6 @@ else:
             die()
         return future
 
-    ckpt.dcp.async_save = async_save
+    dcp.async_save = async_save
 
 main(load_config(overrides=overrides))

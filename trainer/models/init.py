@@ -9,7 +9,8 @@ import hashlib
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from trainer.dtensor import is_dtensor, local_tensor
 
 InitFn = Callable[[torch.Tensor, torch.Generator], None]
 
@@ -23,9 +24,11 @@ def seed_for(seed: int, name: str) -> int:
 @torch.no_grad()
 def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the whole-parameter tensor ``full`` into ``param``, keeping only this rank's shard if sharded."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_tensor(param)
     full = full.to(device=local.device, dtype=local.dtype)
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         # src_data_rank=None: every rank holds the same full tensor, so just slice, no comms.
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
     local.copy_(full)
@@ -34,7 +37,7 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
 @torch.no_grad()
 def init_param_(param: torch.Tensor, name: str, seed: int, fn: InitFn) -> None:
     """Fill ``param`` (plain or DTensor) with ``fn`` applied to the full tensor."""
-    device = param.to_local().device if isinstance(param, DTensor) else param.device
+    device = local_tensor(param).device
     gen = torch.Generator(device=device).manual_seed(seed_for(seed, name))
     full = torch.empty(param.shape, dtype=torch.float32, device=device)
     fn(full, gen)

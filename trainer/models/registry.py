@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from trainer.config.schema import Model
 from trainer.errors import ConfigError
@@ -116,6 +118,30 @@ class ModelSpec:
     def tied_aliases(self, args: Any) -> dict[str, str]:
         """{alias: canonical} of the weights tied in a model built from ``args`` (empty when untied)."""
         return self.tied_weights if getattr(args, "tie_embeddings", False) else {}
+
+    def meta_model(self, args: Any) -> nn.Module:
+        """The whole model on the meta device, without running its modules' default initialisers
+        (meta tensors hold no values; the weights are drawn after allocation, by ``init_weights``)."""
+        with _SkipMetaInit(), torch.device("meta"):
+            return self.model_cls(args)
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Turns in-place initialisers (``nn.init.*_``, ``Tensor.normal_``...) on meta tensors into no-ops.
+
+    Several of them run through torch's Python reference kernels on the meta device, whose first
+    call imports torch._dynamo (~0.5 s of start-up, measured); they would fill nothing anyway."""
+
+    INITIALISERS = frozenset({"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                              "xavier_uniform_", "xavier_normal_", "orthogonal_", "zeros_", "ones_", "constant_",
+                              "zero_", "fill_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if getattr(func, "__name__", None) in self.INITIALISERS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
 
 
 def model_blocks(model: nn.Module, layers_attr: str) -> dict[str, nn.Module]:

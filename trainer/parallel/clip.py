@@ -5,14 +5,15 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from trainer.dtensor import is_dtensor, local_tensor
 
 
 def _by_layout(grads: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
     """Gradients grouped so that each group can be reduced by one norm call (same mesh and placements)."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
     for g in grads:
-        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+        groups[(g.device_mesh, g.placements) if is_dtensor(g) else None].append(g)
     return groups
 
 
@@ -52,7 +53,7 @@ def clip_grad_norm_(
     squares = []
     for group in _by_layout([p.grad for p in params if id(p) not in skip]).values():
         norm = _group_norm(group)
-        if isinstance(norm, DTensor):
+        if is_dtensor(norm):
             norm = norm.full_tensor()
         squares.append(norm.double() ** 2)
     total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
@@ -62,5 +63,5 @@ def clip_grad_norm_(
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for group in by_layout.values():
-            torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in group], coef.to(group[0].device))
+            torch._foreach_mul_([local_tensor(g) for g in group], coef.to(group[0].device))
     return total

@@ -10,9 +10,7 @@ ep mesh, so checkpoints keep whole-model names and shapes and load on any ep deg
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
@@ -27,6 +25,8 @@ class AllToAllDispatch:
         self.group, self.size, self.local_experts = group, size, n_experts // size
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
         # counts[e]: tokens this rank sends to expert e; experts are laid out rank by rank.
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)  # (source rank, local expert) counts
@@ -50,6 +50,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
     """Shard every MoE layer's experts over ``ep_mesh`` (model on the meta device); returns the expert parameters."""
+    from torch.distributed.tensor import DTensor, Shard  # ~0.5 s of import: only in runs that use it
+
     size = ep_mesh.size()
     params = []
     for moe in expert_modules(model):

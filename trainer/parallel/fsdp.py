@@ -10,7 +10,6 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from trainer.models.registry import model_blocks
 
@@ -34,6 +33,8 @@ def apply_fsdp(
     default parameters stay gathered between them instead of being re-gathered per microbatch.
     ``expert_mesh``: with expert parallelism, the mesh of the experts' own FSDP units.
     """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # imports DTensor (~0.5 s): only when used
+
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     reshard = {"default": not pipelined, "always": True, "never": False}[reshard_after_forward]
     # Under "default", modules that backward needs first (last block, final norm, output)

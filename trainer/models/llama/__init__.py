@@ -3,8 +3,15 @@
 from trainer.models.llama import hf
 from trainer.models.llama.args import FLAVORS, LlamaArgs, validate_llama_args
 from trainer.models.llama.model import TIED_WEIGHTS, Transformer, llama_activation_bytes, llama_flops_per_token
-from trainer.models.llama.tp_plan import build_tp_plan
 from trainer.models.registry import HFAdapter, ModelSpec, register_model
+
+
+def build_tp_plan(**kwargs):
+    """trainer/models/llama/tp_plan.py, imported when tensor parallelism is used (it imports DTensor, ~0.5 s)."""
+    from trainer.models.llama.tp_plan import build_tp_plan as build
+
+    return build(**kwargs)
+
 
 register_model(
     ModelSpec(

@@ -23,6 +23,8 @@ TIED_WEIGHTS = {"output.weight": "tok_embeddings.weight"}
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
     """(max_seq_len, head_dim // 2, 2) table of (cos, sin) for each position and frequency."""
+    if torch.empty(0, device=device).is_meta:  # shape only (meta arange would import torch._dynamo)
+        return torch.empty(max_seq_len, head_dim // 2, 2, device=device)
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)

@@ -4,8 +4,15 @@ from trainer.models.llama.model import TIED_WEIGHTS
 from trainer.models.moe import hf
 from trainer.models.moe.args import FLAVORS, MoEArgs, validate_moe_args
 from trainer.models.moe.model import MoE, MoETransformer, moe_after_step, moe_flops_per_token
-from trainer.models.moe.tp_plan import build_tp_plan
 from trainer.models.registry import HFAdapter, ModelSpec, register_model
+
+
+def build_tp_plan(**kwargs):
+    """trainer/models/moe/tp_plan.py, imported when tensor parallelism is used (it imports DTensor, ~0.5 s)."""
+    from trainer.models.moe.tp_plan import build_tp_plan as build
+
+    return build(**kwargs)
+
 
 register_model(
     ModelSpec(

@@ -11,18 +11,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from trainer.dtensor import local_tensor
 from trainer.models.llama.model import Attention, FeedForward, Transformer
 from trainer.models.moe.args import MoEArgs
 
 # (tokens sorted by expert (n, dim), tokens per expert (n_experts,), compute) -> outputs in the same order.
 # compute(tokens sorted by local expert, tokens per local expert) runs the experts this rank holds.
 Dispatch = Callable[[torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], torch.Tensor]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Router(nn.Module):
@@ -42,7 +38,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, dim) -> (weights (tokens, k), experts (tokens, k), scores (tokens, n_experts)), fp32."""
-        logits = F.linear(x.float(), _local(self.gate.weight).float())
+        logits = F.linear(x.float(), local_tensor(self.gate.weight).float())
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choose = scores if self.expert_bias is None else scores + self.expert_bias
         experts = torch.sort(choose.detach(), dim=-1, descending=True, stable=True).indices[:, : self.top_k]
@@ -63,7 +59,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens grouped by expert (this rank's experts, in order); counts: tokens per expert."""
-        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
         if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
             return grouped_swiglu(x, counts, w1, w2, w3)
         return looped_swiglu(x, counts, w1, w2, w3)
