@@ -9,9 +9,13 @@ comes from trainer.parallel.schedule_sim (F=1, B=2, I=W=1, no communication), so
 expected time is ideal / (1 - bubble). With more ranks than cores (pp 4 on a 2-core machine)
 the ranks share cores and the measured time cannot reach the ideal.
 
-The last step of each run is also timed action by action ([profiling] pipeline_timeline_steps):
-its measured bubble (each pipeline rank's idle share of the step's pipeline span, from the merged
-trace) is printed per rank next to the theoretical one.
+Steps after the warm-up are also timed action by action ([profiling] pipeline_timeline_steps). For
+each timed step: its pipeline span (first action start to last action end over the ranks), the
+bubble model built from the measured per-stage times (the schedule replayed with the median
+measured duration of each action kind on each stage, communication free:
+trainer.parallel.schedule_sim.replayed_span), and each pipeline rank's measured bubble; the table
+gives their medians over the timed steps. span/model above 1 is what communication and
+scheduling overhead add to the compute the schedule orders.
 """
 
 import argparse
@@ -54,24 +58,29 @@ def main() -> None:
         single = median_step(launch_job(1, MODEL + steps, tmp, "single", threads=1), args.warmup)
         print(f"single process (1 thread): {single:.3f} s/step\n")
         print("| pp | schedule | stages/rank | measured step (s) | ideal = single/pp (s) | measured/ideal "
-              "| theoretical bubble | ideal/(1-bubble) (s) | measured bubble per pp rank (last step) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "| theoretical bubble | pipeline span (s) | model from measured action times (s) | span/model "
+              "| measured bubble per pp rank |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+        timed = list(range(args.warmup + 1, args.steps + 1))
         for pp in args.pp:
             for schedule in args.schedules:
                 spr = 1 if SCHEDULES[schedule].stages_per_rank == "one" else 2
                 overrides = ["--parallelism.pipeline_parallel_degree", str(pp),
                              "--parallelism.pipeline_parallel_schedule", schedule,
-                             "--profiling.pipeline_timeline_steps", str(args.steps)]
+                             "--profiling.pipeline_timeline_steps", ",".join(map(str, timed))]
                 ranks = launch_job(pp, MODEL + steps + overrides, tmp, f"{pp}_{schedule}", threads=1)
                 measured = median_step(ranks, args.warmup)
                 ideal = single / pp
                 bubble = bubble_fraction(schedule, pp, 8, spr)
-                trace = tmp / "dump" / "profile_traces" / f"pipeline_timeline_step{args.steps}.json"
-                measured_bubbles = json.loads(trace.read_text())["otherData"]["bubble"]
-                per_rank = " / ".join(f"{100 * measured_bubbles[str(r)]:.0f}%" for r in range(pp))
+                traces = [json.loads((tmp / "dump" / "profile_traces" / f"pipeline_timeline_step{s}.json").read_text())
+                          ["otherData"] for s in timed]
+                span = statistics.median(t["span_us"] for t in traces) / 1e6
+                model = statistics.median(t["model_span_us"] for t in traces) / 1e6
+                ratio = statistics.median(t["span_us"] / t["model_span_us"] for t in traces)
+                per_rank = " / ".join(f"{100 * statistics.median(t['bubble'][str(r)] for t in traces):.0f}%"
+                                      for r in range(pp))
                 print(f"| {pp} | {schedule} | {spr} | {measured:.3f} | {ideal:.3f} | {measured / ideal:.2f} "
-                      f"| {100 * bubble:.1f}% | {ideal / (1 - bubble):.3f} | {per_rank} |", flush=True)
-
+                      f"| {100 * bubble:.1f}% | {span:.3f} | {model:.3f} | {ratio:.3f} | {per_rank} |", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -151,16 +151,22 @@ class PipelineTimeline:
             ranks.append(json.loads(path.read_text()))
             path.unlink()
         trace, bubbles = merge_timeline(ranks, step)
-        (self.folder / f"pipeline_timeline_step{step}.json").write_text(json.dumps(trace))
-        simulated = None
+        simulated, versus_model = None, ""
         if self.schedule is not None:
-            from trainer.parallel.schedule_sim import simulated_spans
+            from trainer.parallel.schedule_sim import replayed_span, simulated_spans
 
             simulated = simulated_spans(*self.schedule)
+            actions = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9) for r in ranks for e in r["events"]]
+            model_us = replayed_span(*self.schedule, actions) * 1e6
+            trace["otherData"]["model_span_us"] = model_us
+            versus_model = (f"; span {trace['otherData']['span_us'] / 1e3:.1f} ms against {model_us / 1e3:.1f} ms for"
+                            " the schedule replayed with the measured action times and free communication"
+                            f" ({trace['otherData']['span_us'] / model_us:.3f}x)")
+        (self.folder / f"pipeline_timeline_step{step}.json").write_text(json.dumps(trace))
         (self.folder / f"pipeline_timeline_step{step}.svg").write_text(timeline_svg(trace, simulated, step))
-        logger.info("pipeline timeline of step %d: %s; measured bubble %s", step,
+        logger.info("pipeline timeline of step %d: %s; measured bubble %s%s", step,
                     self.folder / f"pipeline_timeline_step{step}.json",
-                    ", ".join(f"pp rank {p} {100 * b:.1f}%" for p, b in sorted(bubbles.items())))
+                    ", ".join(f"pp rank {p} {100 * b:.1f}%" for p, b in sorted(bubbles.items())), versus_model)
         return bubbles
 
 

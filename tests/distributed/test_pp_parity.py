@@ -137,4 +137,5 @@ def check_timeline(path, schedule, *, pp, n_micro):
         assert sorted(name for _, _, name in spans) == expected[rank]
         assert all(end <= nxt for (_, end, _), (nxt, _, _) in zip(spans, spans[1:])), spans
     assert set(trace["otherData"]["bubble"]) == {"0", "1"}
+    assert 0 < trace["otherData"]["model_span_us"]  # the schedule replayed with these actions' times
     assert path.with_suffix(".svg").read_text().count("<rect") == 2 * sum(len(e) for e in expected)  # + simulated

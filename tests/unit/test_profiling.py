@@ -115,3 +115,21 @@ def test_timeline_picture_has_a_box_per_action_measured_and_simulated():
     svg = ET.fromstring(timeline_svg(trace, simulated_spans("1F1B", 2, 1, 1), step=1))
     boxes = [r.find("{http://www.w3.org/2000/svg}title").text for r in svg.iter("{http://www.w3.org/2000/svg}rect")]
     assert boxes == ["0F0", "0B0", "1F0", "1B0"] * 2  # measured (rank 2 drawn as its pp rank's rank 1), simulated
+
+
+def test_replay_with_measured_action_times_follows_the_schedule_order():
+    """1F1B on 2 ranks, 2 microbatches, stage 0 F=1 B=2, stage 1 F=3 B=6 (by hand):
+    rank 0 runs F0 [0,1], F1 [1,2], then waits for stage 1's backward of mb 0; rank 1 runs
+    F0 [1,4], B0 [4,10], F1 [10,13], B1 [13,19]; rank 0's B0 [10,12] and B1 [19,21]: span 21."""
+    from trainer.parallel.schedule_sim import replayed_span
+
+    measured = [("F", 0, 1.0), ("B", 0, 2.0), ("F", 1, 3.0), ("B", 1, 6.0)]
+    assert replayed_span("1F1B", 2, 2, 1, measured) == pytest.approx(21.0)
+    # each (kind, stage) takes the median of its samples; a split backward stands in for a full one
+    noisy = [("F", 0, 1.0), ("F", 0, 50.0), ("F", 0, 1.0), ("B", 0, 2.0), ("F", 1, 3.0), ("I", 1, 4.0), ("W", 1, 2.0)]
+    assert replayed_span("1F1B", 2, 2, 1, noisy) == pytest.approx(21.0)
+    # equal stages with B = 2F reproduce the unit simulation's fill-and-drain: (m + p - 1) (F + B)
+    equal = [(k, s, t) for s in range(2) for k, t in (("F", 0.5), ("B", 1.0))]
+    assert replayed_span("1F1B", 2, 4, 1, equal) == pytest.approx((4 + 2 - 1) * 1.5)
+    with pytest.raises(ValueError, match="no measured F action of stage 1"):
+        replayed_span("1F1B", 2, 2, 1, [("F", 0, 1.0), ("B", 0, 2.0), ("B", 1, 1.0)])

@@ -5,6 +5,8 @@ torch ships the action lists of its schedules through a private helper
 only place that calls it, so a change in torch breaks one function with a clear test.
 """
 
+import statistics
+from collections.abc import Callable
 from functools import cache
 
 from trainer.errors import ConfigError
@@ -141,15 +143,20 @@ def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
     return _run([[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops], num_stages)
 
 
-def _run(queues: list[list[tuple[str, int, int]]], num_stages: int, spans: list | None = None) -> tuple[float, float]:
+def _run(queues: list[list[tuple[str, int, int]]], num_stages: int, spans: list | None = None,
+         cost: Callable[[str, int], float] | None = None) -> tuple[float, float]:
     """(makespan, busy time summed over ranks) running each rank's (kind, stage, microbatch) in order.
 
     An action starts when its rank is free and its inputs exist: a forward needs the previous
     stage's forward of the microbatch, a backward needs its own forward and the next stage's
     backward, a weight gradient its own input gradient. Communication is free. Raises
     ``Deadlock`` when no rank can go on. ``spans``, if given, receives (rank, kind, stage,
-    microbatch, start, end) of every action.
+    microbatch, start, end) of every action. ``cost(kind, stage)``: an action's duration (default:
+    ``COST``, with a stage being 1/v of a rank's layers).
     """
+    if cost is None:
+        v = num_stages // len(queues)
+        cost = lambda kind, stage: COST[kind] / v  # noqa: E731
     done: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * len(queues)
     pos = [0] * len(queues)
@@ -182,13 +189,13 @@ def _run(queues: list[list[tuple[str, int, int]]], num_stages: int, spans: list 
                 at = ready(kind, stage, mb)
                 if at is None:
                     break
-                cost = COST[kind] / (num_stages // len(queues))  # a stage is 1/v of a rank's layers
+                duration = cost(kind, stage)
                 begin = max(clock[r], at)
-                clock[r] = begin + cost
+                clock[r] = begin + duration
                 done[(kind, stage, mb)] = clock[r]
                 if spans is not None:
                     spans.append((r, kind, stage, mb, begin, clock[r]))
-                busy += cost
+                busy += duration
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -211,13 +218,37 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank
 def simulated_spans(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[tuple]:
     """(rank, kind, stage, microbatch, start, end) of every action in the simulation (F = 1 unit)."""
     spans: list[tuple] = []
-    if schedule in ("GPipe", "1F1B"):  # torch's action lists for one stage per rank are not usable here
-        queues = [_one_stage_ops(schedule, pp, n_microbatches, r) for r in range(pp)]
-    else:
-        queues = [[x for a in ops for x in _flatten(a)]
-                  for ops in schedule_ops(schedule, pp, n_microbatches, stages_per_rank)]
-    _run(queues, pp * stages_per_rank, spans)
+    _run(_queues(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank, spans)
     return spans
+
+
+def _queues(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[list[tuple[str, int, int]]]:
+    if schedule in ("GPipe", "1F1B"):  # torch's action lists for one stage per rank are not usable here
+        return [_one_stage_ops(schedule, pp, n_microbatches, r) for r in range(pp)]
+    ops = schedule_ops(schedule, pp, n_microbatches, stages_per_rank)
+    return [[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops]
+
+
+def replayed_span(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int,
+                  actions: list[tuple[str, int, float]]) -> float:
+    """The bubble model built from measured action times: the span of one schedule step when every
+    action of a kind on a stage lasts the median of the measured ``actions`` (kind, stage, seconds)
+    and communication is free. What a measured span exceeds it by is communication and overhead."""
+    samples: dict[tuple[str, int], list[float]] = {}
+    for kind, stage, seconds in actions:
+        samples.setdefault((kind, stage), []).append(seconds)
+    median = {key: statistics.median(values) for key, values in samples.items()}
+
+    def cost(kind: str, stage: int) -> float:
+        if (kind, stage) in median:
+            return median[(kind, stage)]
+        if kind == "B" and ("I", stage) in median:  # a full backward = input grad + weight grad
+            return median[("I", stage)] + median.get(("W", stage), 0.0)
+        if kind in ("I", "W") and ("B", stage) in median:
+            return median[("B", stage)] / 2
+        raise ValueError(f"no measured {kind} action of stage {stage}")
+
+    return _run(_queues(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank, cost=cost)[0]
 
 
 def _one_stage_ops(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
