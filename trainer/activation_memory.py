@@ -43,6 +43,8 @@ def activation_peaks(plan, device_type: str) -> list[float] | str:
         plan.model_args, dtype_bytes=plan.compute_dtype(torch.device(device_type)).itemsize, tp=tp,
         sequence_parallel=tp > 1 and p.enable_sequence_parallel and p.tensor_parallel_plan != "auto",
         loss_parallel=tp > 1 and not p.disable_loss_parallel)
+    if isinstance(per_token, str):  # the family does not model these settings
+        return per_token
     blocks = list(per_token.blocks)
     checkpointed = [_checkpointed(i, ac.mode, ac.selective_ac_option) for i in range(len(blocks))]
     kept = [per_token.block_input if c else a for a, c in zip(blocks, checkpointed, strict=True)]

@@ -8,6 +8,11 @@ and the process exits with status 2. Everything else is a bug and keeps its trac
 class UserError(Exception):
     """A problem caused by the job's config or input files, with a message naming the fix."""
 
+    def __str__(self) -> str:
+        # One line wherever it is shown: a value quoted in the message may hold a newline (seen by the
+        # CLI fuzz test with a file name ending in "\n0").
+        return one_line(super().__str__())
+
 
 class ConfigError(UserError, ValueError):
     """The config (TOML file or command line) is malformed or inconsistent."""

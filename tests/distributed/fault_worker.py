@@ -1,12 +1,15 @@
 """Run under torchrun: the real entry point (train.py's ``run``), with one rank failing at step 3 (or FAULT_STEP).
 
-    FAULT=die|hang torchrun --nproc_per_node 2 tests/distributed/fault_worker.py --section.key value ...
-die: rank 1 kills itself (SIGKILL). hang: rank 1 stops itself (SIGSTOP) and never answers again.
+    FAULT=die|hang|stall torchrun --nproc_per_node 2 tests/distributed/fault_worker.py --section.key value ...
+die: rank 1 kills itself (SIGKILL). hang: rank 1 stops itself (SIGSTOP) and never answers again, not even
+torchrun's SIGTERM (it is killed 30 s later). stall: rank 1 waits forever in Python; it never answers
+its peers, and a SIGTERM ends it.
 """
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -21,6 +24,9 @@ calls = {"n": 0}
 def failing_step(*args, **kwargs):
     calls["n"] += 1
     if calls["n"] == int(os.environ.get("FAULT_STEP", "3")) and os.environ.get("RANK") == "1":
+        if os.environ["FAULT"] == "stall":
+            while True:
+                time.sleep(3600)
         os.kill(os.getpid(), signal.SIGKILL if os.environ["FAULT"] == "die" else signal.SIGSTOP)
     return real_step(*args, **kwargs)
 

@@ -11,7 +11,9 @@ and ties go to the lower expert index (a stable sort).
 
 import pytest
 
+from tests.conftest import load_plan
 from tests.distributed.harness import PARITY, run_layout
+from tests.distributed.test_pp_parity import check_activation_estimate
 from tests.parity import REPORT, assert_parity, compare, record
 from trainer.config import load_config
 
@@ -62,9 +64,14 @@ def references(tmp_path_factory):
 def test_expert_parallel_layout_matches_single_process(name, references, tmp_path):
     nproc, ref_extra, overrides = CASES[name]
     reference, tensors = references(tuple(ref_extra))
+    metered = name in ("EP2", "PP2xEP2-ZBV")  # these launches also measure the saved activations of step 2
+    if metered:
+        overrides = overrides + ["--profiling.activation_memory_steps", "2"]
     result = run_layout(nproc, overrides, tmp_path, base=BASE)
     assert_parity(name, result, reference, tensors)
     assert result["losses"][-1] < result["losses"][0]
+    if metered:  # the MoE estimate assumes an even share of routed rows per expert-parallel rank
+        check_activation_estimate(result["activation_peaks"]["2"], load_plan(BASE + overrides, world_size=nproc), nproc)
 
 
 @pytest.mark.slow

@@ -38,10 +38,16 @@ def test_a_graph_dropped_without_a_full_backward_releases_its_saved_outputs():
     assert meter.current == 0 and meter.peak == 3 * 400
 
 
+MOE = ["--model.name", "moe", "--model.flavor", "debugmodel"]  # 2 blocks: one dense, one MoE (8 experts, top 2)
+
+
 @pytest.mark.parametrize("overrides", [
     [],
     ["--training.global_batch_size", "16"],  # accumulation 2: one microbatch alive at a time
-], ids=["single", "accumulation"])
+    MOE,  # per-head q/k norms, softmax routing renormalised over the chosen experts
+    MOE + ["--model.overrides.score_func", "sigmoid", "--model.overrides.norm_topk", "false",
+           "--model.overrides.n_shared_experts", "2", "--model.overrides.qk_norm", "false"],
+], ids=["single", "accumulation", "moe", "moe-sigmoid-shared"])
 def test_the_estimate_of_one_process_equals_what_autograd_saves(tmp_path, overrides):
     from trainer.train import main
 
@@ -51,4 +57,4 @@ def test_the_estimate_of_one_process_equals_what_autograd_saves(tmp_path, overri
     result = main(load_config(overrides=args))
     (estimate,) = activation_peaks(load_plan(args), "cpu")
     (measured,) = result.activation_peaks[1]
-    assert estimate == pytest.approx(measured, rel=0.02)
+    assert estimate == pytest.approx(measured, rel=1e-3)  # read from the same operations: equal up to a few bytes

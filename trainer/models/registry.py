@@ -108,9 +108,10 @@ class ModelSpec:
     (e.g. MoE load counts and balancing-bias updates). The metrics go to TensorBoard under the family's name."""
     num_experts: Callable[[Any], int] | None = None
     """args -> routed experts per MoE layer; families with experts support expert parallelism."""
-    activation_bytes: Callable[..., ActivationBytes] | None = None
+    activation_bytes: Callable[..., ActivationBytes | str] | None = None
     """(args, dtype_bytes=, tp=, sequence_parallel=, loss_parallel=) -> what autograd saves per token
-    (trainer/activation_memory.py turns it into per-rank peaks for the dry run); None = not estimated."""
+    (trainer/activation_memory.py turns it into per-rank peaks for the dry run), or a string saying why
+    these settings are not modelled; None = not estimated."""
     cp_buffers: tuple[str, ...] = ()
     """Buffers indexed by sequence position (e.g. the rotary table). A family supports context
     parallelism when it names them and its attention is a causal F.scaled_dot_product_attention."""

@@ -5,6 +5,7 @@ set to None and entries of ``layers`` deleted: that is how a pipeline chunk is m
 parameter names stay those of the whole model.
 """
 
+import dataclasses
 import math
 
 import torch
@@ -177,15 +178,31 @@ def llama_activation_bytes(args: LlamaArgs, *, dtype_bytes: int, tp: int = 1, se
     After the blocks: the final norm and the loss's float32 log-softmax (split over the vocabulary
     under loss parallelism). Before them: the token ids (int64).
     """
+    norm, attention, outer = attention_activation_bytes(
+        args, dtype_bytes=dtype_bytes, tp=tp, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    block = 2 * norm + attention + swiglu_activation_bytes(args.ffn_hidden_dim, dtype_bytes) / tp
+    return dataclasses.replace(outer, blocks=(block,) * args.n_layers)
+
+
+def attention_activation_bytes(args, *, dtype_bytes: int, tp: int, sequence_parallel: bool, loss_parallel: bool,
+                               qk_norm: bool = False) -> tuple[float, float, ActivationBytes]:
+    """Per token: (one block norm, the attention, the parts outside the blocks as ActivationBytes with no
+    blocks) of a Llama-style model (``llama_activation_bytes``). ``qk_norm``: each per-head RMSNorm of q
+    and k keeps its input and normalised input plus one float32 scalar per head."""
     b, d = dtype_bytes, args.dim
     heads, kv = args.n_heads * args.head_dim, args.num_kv_heads * args.head_dim
     norm_share = d / tp if sequence_parallel else d
     # a norm: input and normalised input (sequence-split under SP), output as the matmuls keep it (whole)
     norm = b * (2 * norm_share + d) + 4
     attention = b * (2 * heads + 2 * kv) / tp + 4 * args.n_heads / tp
-    mlp = b * 4 * args.ffn_hidden_dim / tp
-    block = 2 * norm + attention + mlp
+    if qk_norm:
+        attention += (b * 2 * (heads + kv) + 4 * (args.n_heads + args.num_kv_heads)) / tp
     final_norm = b * 3 * norm_share + 4
     vocab = args.vocab_size / tp if loss_parallel else args.vocab_size
-    return ActivationBytes(blocks=(block,) * args.n_layers, block_input=b * norm_share, pre=8.0,
-                           post=final_norm + 4 * vocab + 8)
+    return norm, attention, ActivationBytes(blocks=(), block_input=b * norm_share, pre=8.0,
+                                            post=final_norm + 4 * vocab + 8)
+
+
+def swiglu_activation_bytes(hidden: int, dtype_bytes: int) -> float:
+    """Per token (or routed row) of a SwiGLU feed-forward: w1's and w3's outputs, silu's output, their product."""
+    return dtype_bytes * 4 * hidden

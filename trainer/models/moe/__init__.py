@@ -3,7 +3,7 @@
 from trainer.models.llama.model import TIED_WEIGHTS
 from trainer.models.moe import hf
 from trainer.models.moe.args import FLAVORS, MoEArgs, validate_moe_args
-from trainer.models.moe.model import MoE, MoETransformer, moe_after_step, moe_flops_per_token
+from trainer.models.moe.model import MoE, MoETransformer, moe_activation_bytes, moe_after_step, moe_flops_per_token
 from trainer.models.registry import HFAdapter, ModelSpec, register_model
 
 
@@ -20,6 +20,7 @@ register_model(
         model_cls=MoETransformer,
         flavors=FLAVORS,
         flops_per_token=moe_flops_per_token,
+        activation_bytes=moe_activation_bytes,
         build_tp_plan=build_tp_plan,
         auto_tp=False,
         tied_weights=TIED_WEIGHTS,

@@ -6,6 +6,7 @@ parts removed, and expert parallelism installs a dispatcher on each ``MoE`` modu
 trainer.parallel.ep) that moves tokens to the ranks holding their experts and back.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -13,8 +14,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.dtensor import local_tensor
-from trainer.models.llama.model import Attention, FeedForward, Transformer
+from trainer.models.llama.model import (
+    Attention,
+    FeedForward,
+    Transformer,
+    attention_activation_bytes,
+    swiglu_activation_bytes,
+)
 from trainer.models.moe.args import MoEArgs
+from trainer.models.registry import ActivationBytes
 
 # (tokens sorted by expert (n, dim), tokens per expert (n_experts,), compute) -> outputs in the same order.
 # compute(tokens sorted by local expert, tokens per local expert) runs the experts this rank holds.
@@ -239,3 +247,32 @@ def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
     active = args.dim * args.n_experts + 3 * args.dim * args.expert_hidden_dim * (args.top_k + args.n_shared_experts)
     matmul_params = args.n_layers * attn + dense + n_moe * active + args.dim * args.vocab_size
     return 6 * matmul_params + 12 * args.n_layers * q_dim * seq_len
+
+
+def moe_activation_bytes(args: MoEArgs, *, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False,
+                         loss_parallel: bool = False) -> ActivationBytes | str:
+    """What autograd saves per token, counted from this module's operations like Llama's (checked against
+    saved-tensor hooks in tests/unit/test_activation_memory.py). Attention and norms as in Llama, with
+    the per-head q/k norms. A MoE feed-forward keeps, per token: the router's float32 scores and the
+    int64 sort order of all experts (the chosen k are a slice of it), the chosen weights (float32; with
+    ``norm_topk`` also before renormalising, and their sum), the gather and scatter indices (int64 per
+    choice), the routed rows coming back (k x dim); per routed row (k per token): the row itself and
+    SwiGLU's four hidden tensors; shared experts like a dense SwiGLU. In a low-precision run the router
+    also keeps a float32 copy of its input and the mixing weights a low-precision copy.
+
+    With expert parallelism a rank computes the rows routed to its experts: the estimate assumes an even
+    share (k rows per local token) and leaves out two int64 indices per received row. Not estimated under
+    tensor parallelism (each MoE block runs whole on every tp rank, with gathered inputs under SP)."""
+    if tp > 1:
+        return "not modelled for the moe family under tensor parallelism"
+    b, k, e = dtype_bytes, args.top_k, args.n_experts
+    norm, attention, outer = attention_activation_bytes(args, dtype_bytes=b, tp=tp, sequence_parallel=False,
+                                                        loss_parallel=loss_parallel, qk_norm=args.qk_norm)
+    router = 4 * e + 8 * e + (4 * k + 4 if args.norm_topk else 0) + (4 * k if b == 4 else 4 * args.dim + b * k)
+    per_row = b * args.dim + swiglu_activation_bytes(args.expert_hidden_dim, b)
+    routed = 8 * k + 8 * k + b * k * args.dim + k * per_row
+    shared = swiglu_activation_bytes(args.expert_hidden_dim * args.n_shared_experts, b)
+    moe_ffn, dense_ffn = router + routed + shared, swiglu_activation_bytes(args.dense_hidden_dim, b)
+    blocks = tuple(2 * norm + attention + (moe_ffn if args.is_moe_layer(i) else dense_ffn)
+                   for i in range(args.n_layers))
+    return dataclasses.replace(outer, blocks=blocks)
