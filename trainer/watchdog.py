@@ -51,9 +51,18 @@ class Watchdog:
         self._stop.set()
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(1.0, self.timeout / 4)):
-            if self._armed and time.monotonic() - self._last > self.timeout:
-                print(f"error: rank {self.rank}: no training progress for {self.timeout:g} s (a peer rank is probably"
-                      f" stuck or dead); raise {self.key} if a step legitimately takes longer",
-                      file=sys.stderr, flush=True)
-                os._exit(1)  # the main thread is blocked in a wait that nothing else will end
+        # Sleeps until the deadline itself (not in fixed ticks, which made it fire up to 1 s late, after a
+        # collective's own timeout of the same length had already ended the rank without this message).
+        while True:
+            if self._armed:
+                remaining = self._last + self.timeout - time.monotonic()
+                if remaining < 0:
+                    print(f"error: rank {self.rank}: no training progress for {self.timeout:g} s (a peer rank is"
+                          f" probably stuck or dead); raise {self.key} if a step legitimately takes longer",
+                          file=sys.stderr, flush=True)
+                    os._exit(1)  # the main thread is blocked in a wait that nothing else will end
+                wait = remaining + 0.001
+            else:
+                wait = min(1.0, self.timeout / 4)
+            if self._stop.wait(wait):
+                return
