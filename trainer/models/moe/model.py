@@ -257,8 +257,9 @@ def moe_activation_bytes(args: MoEArgs, *, dtype_bytes: int, tp: int = 1, sequen
     int64 sort order of all experts (the chosen k are a slice of it), the chosen weights (float32; with
     ``norm_topk`` also before renormalising, and their sum), the gather and scatter indices (int64 per
     choice), the routed rows coming back (k x dim); per routed row (k per token): the row itself and
-    SwiGLU's four hidden tensors; shared experts like a dense SwiGLU. In a low-precision run the router
-    also keeps a float32 copy of its input and the mixing weights a low-precision copy.
+    SwiGLU's four hidden tensors; shared experts like a dense SwiGLU. In a low-precision run (bf16
+    parameters, as under FSDP) the router also keeps a float32 copy of its input and the mixing weights
+    a low-precision copy; under autocast the input copy is bf16, so the estimate is slightly high there.
 
     With expert parallelism a rank computes the rows routed to its experts: the estimate assumes an even
     share (k rows per local token) and leaves out two int64 indices per received row. Not estimated under
