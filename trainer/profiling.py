@@ -157,11 +157,15 @@ class PipelineTimeline:
 
             simulated = simulated_spans(*self.schedule)
             actions = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9) for r in ranks for e in r["events"]]
-            model_us = replayed_span(*self.schedule, actions) * 1e6
-            trace["otherData"]["model_span_us"] = model_us
-            versus_model = (f"; span {trace['otherData']['span_us'] / 1e3:.1f} ms against {model_us / 1e3:.1f} ms for"
-                            " the schedule replayed with the measured action times and free communication"
-                            f" ({trace['otherData']['span_us'] / model_us:.3f}x)")
+            try:
+                model_us = replayed_span(*self.schedule, actions) * 1e6
+            except ValueError as e:  # an action kind the trace lacks: a diagnostic must not end the run
+                versus_model = f"; no replay with the measured action times ({e})"
+            else:
+                trace["otherData"]["model_span_us"] = model_us
+                versus_model = (f"; span {trace['otherData']['span_us'] / 1e3:.1f} ms against {model_us / 1e3:.1f} ms"
+                                " for the schedule replayed with the measured action times and free communication"
+                                f" ({trace['otherData']['span_us'] / model_us:.3f}x)")
         (self.folder / f"pipeline_timeline_step{step}.json").write_text(json.dumps(trace))
         (self.folder / f"pipeline_timeline_step{step}.svg").write_text(timeline_svg(trace, simulated, step))
         logger.info("pipeline timeline of step %d: %s; measured bubble %s%s", step,

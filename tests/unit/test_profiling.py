@@ -133,3 +133,16 @@ def test_replay_with_measured_action_times_follows_the_schedule_order():
     assert replayed_span("1F1B", 2, 4, 1, equal) == pytest.approx((4 + 2 - 1) * 1.5)
     with pytest.raises(ValueError, match="no measured F action of stage 1"):
         replayed_span("1F1B", 2, 2, 1, [("F", 0, 1.0), ("B", 0, 2.0), ("B", 1, 1.0)])
+
+
+def test_a_trace_the_replay_cannot_use_is_still_written(tmp_path):
+    """Only stage 0 recorded (e.g. a rank's events missing): the replay needs stage 1's actions, so the
+    timeline is written without a model span instead of ending the run."""
+    stage = FakeStage()
+    stage.stage_index = 0
+    timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True, schedule=("1F1B", 2, 2, 1))
+    timeline.attach([stage])
+    timeline.begin_step(1)
+    stage.forward_one_chunk(0, ())
+    assert timeline.end_step(1) == {0: 0.0}
+    assert "model_span_us" not in json.loads((tmp_path / "pipeline_timeline_step1.json").read_text())["otherData"]
