@@ -80,6 +80,22 @@ def test_clipping_norm_is_accurate_on_large_gradients():
     assert norm.item() == pytest.approx(exact.item(), rel=1e-7)
 
 
+def test_clipping_norm_accumulates_large_gradients_piece_by_piece(monkeypatch):
+    from trainer.parallel import clip
+
+    monkeypatch.setattr(clip, "_CPU_NORM_CHUNK", 1000)  # 3 pieces and a short one for the 2500-element gradient
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(50, 50)), torch.nn.Parameter(torch.zeros(7))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    params[0].grad[-10:] *= 100  # the last, short piece carries most of the norm
+    exact = sum(p.grad.double().norm() ** 2 for p in params) ** 0.5
+    norm = clip.clip_grad_norm_(params, max_norm=1.0)
+    assert norm.item() == pytest.approx(exact.item(), rel=1e-7)
+    clipped = sum(p.grad.double().norm() ** 2 for p in params) ** 0.5
+    assert clipped.item() == pytest.approx(1.0, rel=1e-5)
+
+
 @pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
 def test_lr_never_goes_below_the_floor_past_the_last_step(decay_type):
     sched = load_config(overrides=["--training.steps", "10", "--lr_scheduler.decay_type", decay_type,
