@@ -74,6 +74,10 @@ def test_torch_profiler_traces_the_chosen_steps_of_a_run(tmp_path):
     events = json.loads((traces / "iteration_4" / "rank0_trace.json").read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any(n.startswith("ProfilerStep#") for n in names) and "aten::mm" in names
+    # the operator summary beside it, by self time: the linear layers' matmuls lead on CPU
+    ops = (traces / "iteration_4" / "rank0_ops.txt").read_text().splitlines()
+    first = next(line for line in ops if line.strip().startswith("aten::"))
+    assert first.split()[0] == "aten::mm"
 
 
 def test_profiler_window_must_fit_its_period():
