@@ -66,11 +66,16 @@ class StepProfiler:
         folder.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
         # Where the step's time went, without opening the trace: operators by their own time.
+        # A diagnostic must not end the run: a failed summary is logged, the trace stays.
         by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=by, row_limit=30, max_name_column_width=70)
-        (folder / f"rank{self.rank}_ops.txt").write_text(table)
+        ops = folder / f"rank{self.rank}_ops.txt"
+        try:
+            ops.write_text(prof.key_averages().table(sort_by=by, row_limit=30, max_name_column_width=70))
+        except Exception as e:  # noqa: BLE001 (anything the summary raises)
+            logger.warning("operator summary of step %d not written: %s", self.step_num, e)
+            ops = "not written"
         logger.info("profiler trace of step %d: %s (operators by self time: %s)", self.step_num,
-                    folder / f"rank{self.rank}_trace.json", folder / f"rank{self.rank}_ops.txt")
+                    folder / f"rank{self.rank}_trace.json", ops)
 
     def step(self, step: int) -> None:
         if self.profiler is not None:

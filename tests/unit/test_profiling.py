@@ -80,6 +80,25 @@ def test_torch_profiler_traces_the_chosen_steps_of_a_run(tmp_path):
     assert first.split()[0] == "aten::mm"
 
 
+def test_a_failed_operator_summary_does_not_end_the_run(tmp_path, monkeypatch):
+    from torch.autograd.profiler_util import EventList
+
+    from tests.distributed.harness import PARITY
+    from trainer.config import load_config
+    from trainer.train import main
+
+    def broken(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(EventList, "table", broken)
+    result = main(load_config(overrides=[*PARITY, "--training.steps", "2", "--profiling.enable_profiling",
+                                         "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "0",
+                                         "--job.dump_folder", str(tmp_path)]))
+    assert len(result.step_times) == 2
+    folder = tmp_path / "profile_traces" / "iteration_2"
+    assert (folder / "rank0_trace.json").exists() and not (folder / "rank0_ops.txt").exists()
+
+
 def test_profiler_window_must_fit_its_period():
     from trainer.config import load_config
     from trainer.errors import ConfigError
