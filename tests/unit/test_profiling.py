@@ -78,6 +78,10 @@ def test_torch_profiler_traces_the_chosen_steps_of_a_run(tmp_path):
     ops = (traces / "iteration_4" / "rank0_ops.txt").read_text().splitlines()
     first = next(line for line in ops if line.strip().startswith("aten::"))
     assert first.split()[0] == "aten::mm"
+    # rows in order of self time (the first percentage column)
+    self_pct = [float(next(w for w in line.split() if w.endswith("%"))[:-1]) for line in ops if "%" in line
+                and not line.lstrip().startswith("Name")]
+    assert len(self_pct) >= 10 and self_pct == sorted(self_pct, reverse=True)
 
 
 def test_a_failed_operator_summary_does_not_end_the_run(tmp_path, monkeypatch):
