@@ -54,12 +54,68 @@ def failure_report(proc: subprocess.CompletedProcess, tmp_path: Path) -> str:
 
 def run_layout(nproc: int, overrides: list[str], tmp_path: Path, base: list[str] = PARITY, fault: str = "") -> dict:
     """Per-step results (losses, grad norms, every tensor) of a ``nproc``-rank run of ``base`` (default: the
-    tiny Llama) plus ``overrides``; ``fault`` names a deliberate defect of tests/distributed/worker.py."""
+    tiny Llama) plus ``overrides``; ``fault`` names a deliberate defect of tests/distributed/worker.py.
+    ``result["dump"]`` is the run's dump folder."""
     out = tmp_path / f"result_{nproc}_{abs(hash(tuple(overrides)))}.json"
-    args = [str(WORKER), str(out), *base, "--job.dump_folder", str(tmp_path / "dump"), *overrides]
+    dump = tmp_path / "dump"
+    args = [str(WORKER), str(out), *base, "--job.dump_folder", str(dump), *overrides]
     proc = torchrun(nproc, args, tmp_path, env={"PARITY_FAULT": fault} if fault else None)
     assert proc.returncode == 0, failure_report(proc, tmp_path)
+    return load_result(out, nproc, dump)
+
+
+def load_result(out: Path, nproc: int, dump: Path) -> dict:
     result = json.loads(out.read_text())
     # Every rank's gradients and parameters (tests/parity.py), copies side by side.
     result["tensors"] = merge([torch.load(f"{out}.rank{r}.pt") for r in range(nproc)])
+    result["dump"] = dump
     return result
+
+
+def selected(request, test_name: str) -> list[dict]:
+    """The parameters of the tests named ``test_name`` in the requesting module that this session
+    runs (after -k and node-id selection), in collection order."""
+    return [item.callspec.params for item in request.session.items
+            if item.module is request.module and item.originalname == test_name and hasattr(item, "callspec")]
+
+
+class Launches:
+    """Parity cases that share torchrun launches: the cases with the same rank count run one after
+    another in one launch (worker.py --batch), so torch's import, the rendezvous and the first
+    process group are paid once per rank count rather than once per case (most of a tiny case's
+    launch). A case that its shared launch did not finish runs again in a launch of its own, so a
+    failure is reported against the case that causes it, with that launch's output."""
+
+    def __init__(self, folder: Path, cases: dict[str, tuple[int, list[str]]]):
+        """``cases``: name -> (ranks, every argument after the worker's output file, ``base`` included)."""
+        self.folder, self.cases = folder, cases
+        self.launched: set[int] = set()
+
+    def _paths(self, name: str) -> tuple[Path, Path]:
+        index = list(self.cases).index(name)
+        return self.folder / f"case{index}.json", self.folder / f"case{index}_dump"
+
+    def _launch(self, nproc: int) -> None:
+        self.launched.add(nproc)
+        batch = []
+        for name, (n, args) in self.cases.items():
+            if n == nproc:
+                out, dump = self._paths(name)
+                batch.append({"out": str(out), "args": [*args, "--job.dump_folder", str(dump)]})
+        cases = self.folder / f"batch_{nproc}.json"
+        cases.write_text(json.dumps(batch))
+        try:  # a case it leaves unfinished runs again on its own (result)
+            proc = torchrun(nproc, [str(WORKER), "--batch", str(cases)], self.folder, timeout=300 + 120 * len(batch))
+            log = proc.stdout + "\n--- stderr ---\n" + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            log = f"timed out after {e.timeout} s"
+        (self.folder / f"batch_{nproc}.log").write_text(log)
+
+    def result(self, name: str, tmp_path: Path) -> dict:
+        nproc, args = self.cases[name]
+        if nproc not in self.launched:
+            self._launch(nproc)
+        out, dump = self._paths(name)
+        if out.exists() and all(Path(f"{out}.rank{r}.pt").exists() for r in range(nproc)):
+            return load_result(out, nproc, dump)
+        return run_layout(nproc, args, tmp_path, base=[])

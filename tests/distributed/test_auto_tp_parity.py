@@ -7,7 +7,7 @@ gradient per step and value after the last step (tests/parity.py; fp32, CPU, glo
 
 import pytest
 
-from tests.distributed.harness import PARITY, run_layout
+from tests.distributed.harness import PARITY, Launches, run_layout, selected
 from tests.parity import assert_parity, record
 from trainer.config import load_config
 
@@ -16,7 +16,8 @@ AUTO = [P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", P
 GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
 # PARITY's Llama overrides do not apply to the GPT family: keep only the run settings.
 RUN = [a for i, a in enumerate(PARITY) if not (a.startswith("--model") or (i and PARITY[i - 1].startswith("--model")))]
-FAMILIES = {"llama": PARITY + ["--model.overrides.n_layers", "4"], "gpt": RUN + GPT + ["--model.overrides.n_layers", "4"]}
+FAMILIES = {"llama": PARITY + ["--model.overrides.n_layers", "4"],
+            "gpt": RUN + GPT + ["--model.overrides.n_layers", "4"]}
 LAYOUTS = {
     "TP2": (2, AUTO + ["--training.local_batch_size", "8"]),
     "FSDP2xTP2": (4, AUTO + [P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
@@ -48,11 +49,18 @@ def test_auto_tp_with_replicated_fused_attention(references, tmp_path):
     assert_parity("auto-TP2 fused qkv (gpt)", result, reference, tensors)
 
 
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """The selected (family, layout) cases, one shared launch per rank count."""
+    cases = [(p["family"], p["layout"]) for p in selected(request, "test_auto_tp_matches_single_process")]
+    return Launches(tmp_path_factory.mktemp("launches"),
+                    {f"{f}-{lay}": (LAYOUTS[lay][0], FAMILIES[f] + LAYOUTS[lay][1]) for f, lay in cases})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_auto_tp_matches_single_process(family, layout, references, tmp_path):
-    nproc, overrides = LAYOUTS[layout]
-    result = run_layout(nproc, FAMILIES[family] + overrides, tmp_path, base=[])
+def test_auto_tp_matches_single_process(family, layout, references, launches, tmp_path):
+    result = launches.result(f"{family}-{layout}", tmp_path)
     reference, tensors = references(family)
     assert_parity(f"auto-{layout} ({family})", result, reference, tensors)

@@ -12,7 +12,7 @@ and ties go to the lower expert index (a stable sort).
 import pytest
 
 from tests.conftest import load_plan
-from tests.distributed.harness import PARITY, run_layout
+from tests.distributed.harness import PARITY, Launches, run_layout, selected
 from tests.distributed.test_pp_parity import check_activation_estimate
 from tests.parity import REPORT, assert_parity, compare, record
 from trainer.config import load_config
@@ -59,19 +59,32 @@ def references(tmp_path_factory):
     return get
 
 
+METERED = ("EP2", "PP2xEP2-ZBV")  # these launches also measure the saved activations of step 2
+
+
+def case_overrides(name: str) -> list[str]:
+    nproc, ref_extra, overrides = CASES[name]
+    return overrides + (["--profiling.activation_memory_steps", "2"] if name in METERED else [])
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """The selected cases, one shared launch per rank count."""
+    names = [p["name"] for p in selected(request, "test_expert_parallel_layout_matches_single_process")]
+    return Launches(tmp_path_factory.mktemp("launches"), {n: (CASES[n][0], BASE + case_overrides(n)) for n in names})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_expert_parallel_layout_matches_single_process(name, references, tmp_path):
-    nproc, ref_extra, overrides = CASES[name]
+def test_expert_parallel_layout_matches_single_process(name, references, launches, tmp_path):
+    nproc, ref_extra, _ = CASES[name]
     reference, tensors = references(tuple(ref_extra))
-    metered = name in ("EP2", "PP2xEP2-ZBV")  # these launches also measure the saved activations of step 2
-    if metered:
-        overrides = overrides + ["--profiling.activation_memory_steps", "2"]
-    result = run_layout(nproc, overrides, tmp_path, base=BASE)
+    result = launches.result(name, tmp_path)
     assert_parity(name, result, reference, tensors)
     assert result["losses"][-1] < result["losses"][0]
-    if metered:  # the MoE estimate assumes an even share of routed rows per expert-parallel rank
-        check_activation_estimate(result["activation_peaks"]["2"], load_plan(BASE + overrides, world_size=nproc), nproc)
+    if name in METERED:  # the MoE estimate assumes an even share of routed rows per expert-parallel rank
+        check_activation_estimate(result["activation_peaks"]["2"],
+                                  load_plan(BASE + case_overrides(name), world_size=nproc), nproc)
 
 
 @pytest.mark.slow

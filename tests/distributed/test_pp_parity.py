@@ -10,7 +10,7 @@ gloo); the worst tensor of each case is printed at the end of the run.
 import pytest
 
 from tests.conftest import load_plan
-from tests.distributed.harness import PARITY, run_layout
+from tests.distributed.harness import PARITY, Launches, selected
 from tests.parity import assert_parity, record
 from trainer.activation_memory import activation_peaks
 from trainer.config import load_config
@@ -80,30 +80,47 @@ def references(tmp_path_factory):
     return get
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-def test_pipeline_matches_single_process(name, references, tmp_path):
+TIMED = "pp2-ZBVZeroBubble"  # this launch also records the measured timeline of step 2
+
+
+def case_overrides(name: str, folder) -> list[str]:
+    """The case's overrides, with its CSV schedule written to ``folder`` and the extra recordings
+    (timeline, saved activations) of the cases that check them."""
     nproc, layers, overrides = CASES[name]
     if "{csv}" in overrides:
         # An interleaved order written out as CSV, one row of actions per rank.
-        csv = tmp_path / "schedule.csv"
+        csv = folder / "schedule.csv"
         rows = [",".join(str(a) for a in rank if a is not None) for rank in schedule_ops("Interleaved1F1B", 2, 8, 2)]
         csv.write_text("\n".join(rows) + "\n")
         overrides = [str(csv) if o == "{csv}" else o for o in overrides]
-    timed = name == "pp2-ZBVZeroBubble"  # this launch also records the measured timeline of step 2
-    if timed:
+    if name == TIMED:
         overrides = overrides + ["--profiling.pipeline_timeline_steps", "2"]
-    metered = name in METERED  # these launches also measure the saved activations of step 2
-    if metered:
+    if name in METERED:
         overrides = overrides + ["--profiling.activation_memory_steps", "2"]
+    return layers + overrides
+
+
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """The selected cases, one shared launch per rank count."""
+    folder = tmp_path_factory.mktemp("launches")
+    names = [p["name"] for p in selected(request, "test_pipeline_matches_single_process")]
+    return Launches(folder, {n: (CASES[n][0], PARITY + case_overrides(n, folder)) for n in names})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_pipeline_matches_single_process(name, references, launches, tmp_path):
+    nproc, layers, overrides = CASES[name]
     reference, tensors = references(layers, TIED in overrides)
-    result = run_layout(nproc, layers + overrides, tmp_path)
+    result = launches.result(name, tmp_path)
     assert_parity(name, result, reference, tensors)
     assert result["losses"][-1] < result["losses"][0]
-    if metered:
-        check_activation_estimate(result["activation_peaks"]["2"], load_plan(PARITY + layers + overrides), nproc)
-    if timed:
-        check_timeline(tmp_path / "dump" / "profile_traces" / "pipeline_timeline_step2.json", "ZBVZeroBubble",
+    if name in METERED:  # these launches also measure the saved activations of step 2
+        check_activation_estimate(result["activation_peaks"]["2"],
+                                  load_plan(PARITY + case_overrides(name, tmp_path)), nproc)
+    if name == TIMED:
+        check_timeline(result["dump"] / "profile_traces" / "pipeline_timeline_step2.json", "ZBVZeroBubble",
                        pp=2, n_micro=8)
 
 

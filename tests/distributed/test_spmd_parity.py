@@ -8,7 +8,7 @@ summation order in the reductions. The worst tensor of each case is printed at t
 
 import pytest
 
-from tests.distributed.harness import PARITY, run_layout
+from tests.distributed.harness import PARITY, Launches, run_layout, selected
 from tests.parity import assert_parity, compare, record
 from trainer.config import load_config
 
@@ -66,12 +66,19 @@ def references(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """The selected layouts, one shared launch per rank count."""
+    names = [p["name"] for p in selected(request, "test_layout_matches_single_process")]
+    return Launches(tmp_path_factory.mktemp("launches"), {n: (LAYOUTS[n][0], PARITY + LAYOUTS[n][1]) for n in names})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, references, tmp_path):
+def test_layout_matches_single_process(name, references, launches, tmp_path):
     nproc, overrides = LAYOUTS[name]
     reference, tensors = references(TIED in overrides)
-    result = run_layout(nproc, overrides, tmp_path)
+    result = launches.result(name, tmp_path)
     assert_parity(name, result, reference, tensors)
     assert len(result["losses"]) == 3
     assert result["losses"][-1] < result["losses"][0]  # it trained, and the reference did the same

@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from tests.distributed.harness import PARITY, run_layout
+from tests.distributed.harness import PARITY, Launches, run_layout, selected
 from tests.parity import REPORT, assert_parity, compare, record
 from trainer.config import load_config
 
@@ -62,11 +62,19 @@ def references(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def launches(request, tmp_path_factory):
+    """The selected cases, one shared launch per rank count."""
+    names = [p["name"] for p in selected(request, "test_traced_pipeline_matches_single_process")]
+    return Launches(tmp_path_factory.mktemp("launches"),
+                    {n: (CASES[n][1], FAMILIES[CASES[n][0]] + CASES[n][2] + TRACER) for n in names})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_traced_pipeline_matches_single_process(name, references, tmp_path):
+def test_traced_pipeline_matches_single_process(name, references, launches, tmp_path):
     family, nproc, overrides = CASES[name]
-    result = run_layout(nproc, FAMILIES[family] + overrides + TRACER, tmp_path, base=[])
+    result = launches.result(name, tmp_path)
     RESULTS[name] = result
     reference, tensors = references(family)
     assert_parity(f"tracer {name}", result, reference, tensors)

@@ -3,6 +3,10 @@ step and its value at the end (tests/parity.py). Rank 0 writes the per-step loss
 to OUT.json; every rank writes its tensors to OUT.json.rank<N>.pt.
 
     torchrun --nproc_per_node 4 tests/distributed/worker.py OUT.json --parallelism.tensor_parallel_degree 2 ...
+
+With ``--batch CASES.json`` (a list of {"out": OUT.json, "args": [...]}), the cases run one after
+another in the same processes (tests/distributed/harness.py: Launches), each in a fresh process
+group whose rendezvous keys live under a prefix of their own.
 """
 
 import json
@@ -18,7 +22,6 @@ from tests.parity import Recorder, tied_aliases  # noqa: E402
 from trainer.config import load_config  # noqa: E402
 from trainer.errors import UserError  # noqa: E402
 from trainer.train import main  # noqa: E402
-
 
 
 def inject_fault(name: str) -> None:
@@ -58,19 +61,48 @@ def inject_fault(name: str) -> None:
         raise ValueError(f"unknown PARITY_FAULT {name!r}")
 
 
-if __name__ == "__main__":
-    inject_fault(os.environ.get("PARITY_FAULT", ""))
-    out, overrides = sys.argv[1], sys.argv[2:]
+def run_case(out: str, overrides: list[str]) -> None:
     config = load_config(overrides=overrides)
     recorder = Recorder(tied_aliases(config))
+    result = main(config, observer=recorder)
+    rank = int(os.environ.get("RANK", "0"))
+    # Written whole or not at all (renamed into place): a shared launch that dies leaves no torn file.
+    torch.save(recorder.tensors, f"{out}.rank{rank}.pt.part")
+    os.replace(f"{out}.rank{rank}.pt.part", f"{out}.rank{rank}.pt")
+    if rank == 0:
+        Path(f"{out}.part").write_text(json.dumps({"losses": result.losses, "grad_norms": result.grad_norms,
+                                                   "eval_losses": result.eval_losses,
+                                                   "activation_peaks": result.activation_peaks}))
+        os.replace(f"{out}.part", out)
+
+
+def in_namespace(prefix: str) -> None:
+    """Make the next process groups keep their rendezvous keys under ``prefix`` in torchrun's store.
+
+    A process group created again after ``destroy_process_group`` would otherwise read the keys its
+    predecessor left there (gloo's peer addresses, barrier counts) and wait on dead connections."""
+    import torch.distributed as dist
+
+    real = getattr(dist.init_process_group, "real", dist.init_process_group)
+
+    def init_process_group(*args, **kwargs):
+        extra = {"timeout": kwargs["timeout"]} if kwargs.get("timeout") is not None else {}
+        store, rank, world_size = next(dist.rendezvous("env://", **extra))
+        return real(*args, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, **kwargs)
+
+    init_process_group.real = real
+    dist.init_process_group = init_process_group
+
+
+if __name__ == "__main__":
+    inject_fault(os.environ.get("PARITY_FAULT", ""))
     try:
-        result = main(config, observer=recorder)
+        if sys.argv[1] == "--batch":
+            for i, case in enumerate(json.loads(Path(sys.argv[2]).read_text())):
+                in_namespace(f"case{i}")
+                run_case(case["out"], case["args"])
+        else:
+            run_case(sys.argv[1], sys.argv[2:])
     except UserError as e:  # as train.py reports it
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    rank = int(os.environ.get("RANK", "0"))
-    torch.save(recorder.tensors, f"{out}.rank{rank}.pt")
-    if rank == 0:
-        Path(out).write_text(json.dumps({"losses": result.losses, "grad_norms": result.grad_norms,
-                                               "eval_losses": result.eval_losses,
-                                               "activation_peaks": result.activation_peaks}))
