@@ -67,7 +67,7 @@ class Job:
 @dataclass(frozen=True, kw_only=True)
 class Model:
     name: str = "llama3"
-    """Model family, as registered in trainer.models (built-in: llama3)."""
+    """Model family, as registered in trainer.models (built-in: llama3, moe)."""
     flavor: str = "debugmodel"
     """Size preset of the family (llama3: debugmodel, 270M, 1B, 3B, 8B, 70B, 405B)."""
     tokenizer_path: str = ""
