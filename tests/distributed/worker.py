@@ -76,6 +76,25 @@ def run_case(out: str, overrides: list[str]) -> None:
         os.replace(f"{out}.part", out)
 
 
+def forget_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions and redistributions after a case of a shared launch.
+
+    Their entries hold the case's DeviceMesh, and meshes compare equal without their process groups,
+    whose names restart after ``destroy_process_group``: a later case with an equal mesh could reuse
+    an entry that names another case's group."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_cpp is not None:
+        clear_cpp()
+    for cached in (DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding,
+                   getattr(_redistribute, "_gen_transform_infos", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
 def in_namespace(prefix: str) -> None:
     """Make the next process groups keep their rendezvous keys under ``prefix`` in torchrun's store.
 
@@ -101,6 +120,7 @@ if __name__ == "__main__":
             for i, case in enumerate(json.loads(Path(sys.argv[2]).read_text())):
                 in_namespace(f"case{i}")
                 run_case(case["out"], case["args"])
+                forget_meshes()
         else:
             run_case(sys.argv[1], sys.argv[2:])
     except UserError as e:  # as train.py reports it
