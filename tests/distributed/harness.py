@@ -33,13 +33,14 @@ PARITY = [
 ]
 
 
+def torchrun_command(nproc: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
 def torchrun(nproc: int, args: list[str], tmp_path: Path, timeout: int = 300,
              env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}",
-        *args,
-    ]
-    return subprocess.run(cmd, cwd=REPO, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(torchrun_command(nproc, args), cwd=REPO, env={**ENV, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def failure_report(proc: subprocess.CompletedProcess, tmp_path: Path) -> str:
@@ -104,11 +105,9 @@ class Launches:
                 batch.append({"out": str(out), "args": [*args, "--job.dump_folder", str(dump)]})
         cases = self.folder / f"batch_{nproc}.json"
         cases.write_text(json.dumps(batch))
-        cmd = [sys.executable, "-m", "trainer.launch", "--standalone", f"--nproc_per_node={nproc}", str(WORKER),
-               "--batch", str(cases)]
-        log = self.folder / f"batch_{nproc}.log"
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=out, stderr=subprocess.STDOUT)
+        with open(self.folder / f"batch_{nproc}.log", "w") as out:
+            proc = subprocess.Popen(torchrun_command(nproc, [str(WORKER), "--batch", str(cases)]), cwd=REPO, env=ENV,
+                                    stdout=out, stderr=subprocess.STDOUT)
             try:  # a case it leaves unfinished runs again on its own (result)
                 proc.wait(timeout=300 + 120 * len(batch))
             except subprocess.TimeoutExpired:
