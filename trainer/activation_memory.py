@@ -18,6 +18,8 @@ parallelism (the gathered keys/values and masked attention are not modelled), pe
 checkpointing, and custom CSV schedules.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from trainer.parallel.schedule_sim import _flatten, schedule_ops
@@ -26,7 +28,32 @@ from trainer.parallel.schedule_sim import _flatten, schedule_ops
 def activation_peaks(plan, device_type: str) -> list[float] | str:
     """Estimated peak bytes of saved activations on each pipeline rank when the job runs on ``device_type``
     devices (the compute dtype follows ``[training] mixed_precision_param``), or why there is no estimate."""
-    config, spec, dims = plan.config, plan.spec, plan.dims
+    per_part = part_activations(plan.config, plan.spec, plan.model_args, plan.dims,
+                                plan.compute_dtype(torch.device(device_type)).itemsize)
+    if isinstance(per_part, str):
+        return per_part
+    pipeline = plan.pipeline
+    if pipeline is None:
+        tokens = plan.config.training.local_batch_size * plan.config.training.seq_len
+        return [tokens * (sum(per_part.kept) + max(per_part.recompute))]
+    if pipeline.schedule == "csv":
+        return "not modelled for CSV schedules"
+    ops = schedule_ops(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank)
+    return rank_peaks(per_part, [len(s.blocks) for s in pipeline.stages], ops,
+                      plan.config.parallelism.pipeline_parallel_microbatch_size * plan.config.training.seq_len)
+
+
+@dataclass(frozen=True)
+class PartActivations:
+    """Bytes per token each part (pre, block 0 .. n-1, post) keeps for backward, and what recomputing
+    it under activation checkpointing holds at once (0 for parts not checkpointed)."""
+
+    kept: tuple[float, ...]
+    recompute: tuple[float, ...]
+
+
+def part_activations(config, spec, args, dims, dtype_bytes: int) -> PartActivations | str:
+    """Per-token activation bytes of each part, or why there is no estimate."""
     if spec.activation_bytes is None:
         return f"model family {spec.name} does not declare ModelSpec.activation_bytes"
     if dims.cp > 1:
@@ -34,13 +61,9 @@ def activation_peaks(plan, device_type: str) -> list[float] | str:
     ac = config.activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option == "op":
         return "not modelled for per-op selective checkpointing"
-    pipeline = plan.pipeline
-    if pipeline is not None and pipeline.schedule == "csv":
-        return "not modelled for CSV schedules"
-    p = config.parallelism
-    tp = dims.tp
+    p, tp = config.parallelism, dims.tp
     per_token = spec.activation_bytes(
-        plan.model_args, dtype_bytes=plan.compute_dtype(torch.device(device_type)).itemsize, tp=tp,
+        args, dtype_bytes=dtype_bytes, tp=tp,
         sequence_parallel=tp > 1 and p.enable_sequence_parallel and p.tensor_parallel_plan != "auto",
         loss_parallel=tp > 1 and not p.disable_loss_parallel)
     if isinstance(per_token, str):  # the family does not model these settings
@@ -48,30 +71,33 @@ def activation_peaks(plan, device_type: str) -> list[float] | str:
     blocks = list(per_token.blocks)
     checkpointed = [_checkpointed(i, ac.mode, ac.selective_ac_option) for i in range(len(blocks))]
     kept = [per_token.block_input if c else a for a, c in zip(blocks, checkpointed, strict=True)]
-    recompute = max([a - per_token.block_input for a, c in zip(blocks, checkpointed, strict=True) if c], default=0.0)
-    seq = config.training.seq_len
-    if pipeline is None:
-        tokens = config.training.local_batch_size * seq
-        return [tokens * (per_token.pre + sum(kept) + per_token.post + recompute)]
-    tokens = p.pipeline_parallel_microbatch_size * seq
-    index = {key: i for i, key in enumerate(k for stage in pipeline.stages for k in stage.blocks)}
-    stage_bytes = [tokens * (sum(kept[index[k]] for k in stage.blocks) + (per_token.pre if stage.first else 0.0)
-                             + (per_token.post if stage.last else 0.0)) for stage in pipeline.stages]
-    stage_recompute = [tokens * max([blocks[index[k]] - per_token.block_input for k in stage.blocks
-                                     if checkpointed[index[k]]], default=0.0) for stage in pipeline.stages]
-    ops = schedule_ops(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank)
+    recompute = [a - per_token.block_input if c else 0.0 for a, c in zip(blocks, checkpointed, strict=True)]
+    return PartActivations((per_token.pre, *kept, per_token.post), (0.0, *recompute, 0.0))
+
+
+def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], ops: list[list],
+               tokens: int) -> list[float]:
+    """Peak saved bytes of each pipeline rank for stages of ``counts`` blocks, walking each rank's
+    schedule actions ``ops`` (torch's lists) with microbatches of ``tokens`` tokens."""
+    last = len(counts) - 1
+    stage_bytes, stage_recompute, start = [], [], 1
+    for s, c in enumerate(counts):
+        parts = list(range(start, start + c)) + ([0] if s == 0 else []) + ([len(per_part.kept) - 1] if s == last else [])
+        stage_bytes.append(tokens * sum(per_part.kept[i] for i in parts))
+        stage_recompute.append(tokens * max(per_part.recompute[i] for i in parts))
+        start += c
     peaks = []
-    for rank, actions in enumerate(ops):
-        split = {(s, m) for a in actions for kind, s, m in _flatten(a) if kind == "W"}
+    for actions in ops:
+        flat = [x for a in actions for x in _flatten(a)]
+        split = {(s, m) for kind, s, m in flat if kind == "W"}
         live = peak = 0.0
-        for action in actions:
-            for kind, stage, mb in _flatten(action):
-                if kind == "F":
-                    live += stage_bytes[stage]
-                    peak = max(peak, live)
-                elif kind == "B" or kind == "W" or (kind == "I" and (stage, mb) not in split):
-                    live -= stage_bytes[stage]
-        peaks.append(peak + max(stage_recompute[s] for s in pipeline.stage_ids(rank)))
+        for kind, stage, mb in flat:
+            if kind == "F":
+                live += stage_bytes[stage]
+                peak = max(peak, live)
+            elif kind == "B" or kind == "W" or (kind == "I" and (stage, mb) not in split):
+                live -= stage_bytes[stage]
+        peaks.append(peak + max(stage_recompute[s] for s in {s for _, s, _ in flat}))
     return peaks
 
 

@@ -9,7 +9,8 @@ import torch
 
 from trainer.activation_memory import activation_peaks
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
-from trainer.parallel.schedule_sim import timeline
+from trainer.parallel.pipeline_planner import Simulator, search_splits
+from trainer.parallel.schedule_sim import program_for, timeline
 from trainer.plan import JobPlan
 
 DEVICE = "cuda"  # the dry run plans for the job's accelerators: mixed_precision_param "auto" means bf16
@@ -100,15 +101,12 @@ def describe_plan(plan: JobPlan) -> str:
         lines.append(f"({act_note})")
         return "\n".join(lines) + "\n"
 
-    bubble = plan.bubble()
-    if bubble is None:
-        bubble_text = f"from {p.pipeline_parallel_schedule_csv} (not simulated)"
-    else:
-        bubble_text = f"expected bubble {100 * bubble:.1f}% (compute F=1, B=2, I=W=1; communication not modelled)"
     lines += [
-        f"Pipeline: {pipeline.schedule}, {pipeline.num_stages} stages, {pipeline.stages_per_rank} per rank,"
+        f"Pipeline: {pipeline.schedule}"
+        + (f" ({p.pipeline_parallel_schedule_csv})" if pipeline.schedule == "csv" else "")
+        + f", {pipeline.num_stages} stages, {pipeline.stages_per_rank} per rank,"
         f" {'V' if pipeline.style == 'v' else 'loop'} placement, {plan.n_microbatches} microbatches of"
-        f" {p.pipeline_parallel_microbatch_size} per step; {bubble_text}",
+        f" {p.pipeline_parallel_microbatch_size} per step",
         f"Split points: {pipeline.split_points(spec.layers_attr)}",
         ("Front-end: tracer (torch.distributed.pipelining.pipeline traces the whole model on CPU once per rank"
          " and cuts the graph before each split point; stages run torch's traced stages)" if plan.traced else
@@ -117,7 +115,7 @@ def describe_plan(plan: JobPlan) -> str:
     ]
     rows = [
         [str(stage.index), str(pipeline.rank_of_stage(stage.index)), _stage_modules(plan, stage),
-         f"{plan.stage_params[stage.index] / 1e6:,.1f}M", f"{plan.stage_flops[stage.index] / 1e9:.2f}"]
+         f"{plan.stage_params[stage.index] / 1e6:,.1f}M", f"{plan.stage_flops[stage.index] / 1e9:.4g}"]
         for stage in pipeline.stages
     ]
     lines += _table(["stage", "pp rank", "modules", "parameters", "fwd GFLOP/token"], rows)
@@ -135,10 +133,64 @@ def describe_plan(plan: JobPlan) -> str:
         f"(state: fp32 parameters, gradients and Adam state per device, split {shard} ways by FSDP x CP x TP;"
         f" {act_note})"
     )
-    if bubble is not None:
+    lines += [""] + predicted_step(plan)
+    if pipeline.schedule != "csv":
         dump = Path(config.job.dump_folder)
         dump.mkdir(parents=True, exist_ok=True)
         path = dump / "pipeline_schedule.txt"
         path.write_text(timeline(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank))
         lines.append(f"Schedule timeline (action order per rank): {path}")
     return "\n".join(lines) + "\n"
+
+
+def _amount(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value * 1e3:,.1f} ms" if value < 10 else f"{value:,.2f} s"
+    return f"{value:,.1f}"
+
+
+def predicted_step(plan: JobPlan) -> list[str]:
+    """Per pp rank compute, idle time and bubble of the planned split in the schedule's simulated step,
+    how the split was chosen, and the next-best splits with their predicted cost."""
+    pipeline, costs, p = plan.pipeline, plan.pipeline_costs, plan.config.parallelism
+    sim = Simulator(costs, program_for(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank,
+                                       p.pipeline_parallel_schedule_csv))
+    chosen = sim.predict(pipeline.counts)
+    unit = costs.unit
+    units = "seconds" if unit == "s" else "units (1 = the mean block's forward of one microbatch)"
+    comm = (f"each transfer between ranks {costs.send * 1e3:.3f} ms" if costs.send else
+            "transfers not modelled (set pipeline_parallel_device_tflops to predict seconds with transfers)")
+    lines = [f"Predicted step: {pipeline.schedule} replayed with each stage's F/B/I/W costs from the {costs.source},"
+             f" in {units}; {comm}"]
+    rows = [[str(r), ", ".join(map(str, sim.stage_ids[r])), _amount(chosen.busy[r], unit),
+             _amount(chosen.makespan - chosen.busy[r], unit), f"{100 * chosen.bubble(r):.1f}%"]
+            for r in range(pipeline.pp)]
+    lines += _table(["pp rank", "stages", "compute", "idle", "bubble"], rows)
+    lines.append(f"step (makespan): {_amount(chosen.makespan, unit)}{'' if unit == 's' else ' units'}")
+    search = pipeline.search or search_splits(sim)
+    how = (f"exact: all {search.total} contiguous splits simulated" if search.exact else
+           f"branch and bound over {search.evaluated} of {search.total:,} splits; no split is faster than"
+           f" {_amount(search.lower_bound, unit)} ({100 * (search.best[0].makespan / search.lower_bound - 1):.1f}%"
+           " below the one found)")
+    layers = plan.spec.layers_attr
+    if pipeline.search is not None:
+        lines.append(f"Split chosen by the planner (split_mode makespan; {how})"
+                     + (f"; {search.refused_for_memory} splits refused for the memory limit" if search.refused_for_memory
+                        else ""))
+    else:
+        best = search.best[0]
+        why = "given split points" if p.pipeline_parallel_split_points else f"split_mode {p.pipeline_parallel_split_mode}"
+        slower = chosen.makespan / best.makespan - 1
+        lines.append(f"Split from {why}: predicted {100 * slower:.1f}% slower than the planner's choice"
+                     f" {_points(best.counts, layers)} ({_amount(best.makespan, unit)}; {how})"
+                     if slower > 1e-9 else f"Split from {why}: as fast as the planner's choice ({how})")
+    others = [c for c in search.best if c.counts != pipeline.counts][:3]
+    if others:
+        lines.append("Next best: " + "; ".join(f"{_points(c.counts, layers)} {_amount(c.makespan, unit)}"
+                                               f" ({100 * (c.makespan / chosen.makespan - 1):+.1f}%)" for c in others))
+    return lines
+
+
+def _points(counts: tuple[int, ...], layers_attr: str) -> str:
+    starts = [sum(counts[:i]) for i in range(1, len(counts))]
+    return "[" + ", ".join(f"{layers_attr}.{s}" for s in starts) + "]"

@@ -11,6 +11,7 @@ recomputes what it holds.
 import logging
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -19,18 +20,22 @@ from torch import nn
 from trainer.config import JobConfig
 from trainer.config.validate import check_batch
 from trainer.dtypes import torch_dtype
+from trainer.env import device_type
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec, get_model_spec, import_model_modules, model_blocks, resolve_model_args
 from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs
-from trainer.parallel.schedule_sim import bubble_fraction, check_csv, check_schedule
+from trainer.parallel.pipeline_cost import PartCosts, flop_costs, part_flops, read_cost_file, calibrated_costs
+from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
 
 logger = logging.getLogger(__name__)
 
 # fp32 parameter + fp32 gradient + two fp32 Adam moments.
 BYTES_PER_PARAM = 16
+# The dry run plans for the job's accelerators: mixed_precision_param "auto" means bf16.
+DRY_RUN_DEVICE = "cuda"
 
 
 @dataclass(frozen=True)
@@ -78,11 +83,7 @@ class JobPlan:
         return self.config.training.local_batch_size * self.dims.dp * self.accum_steps
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
-        """``[training] mixed_precision_param``: auto = bfloat16 on accelerators, float32 on CPU."""
-        name = self.config.training.mixed_precision_param
-        if name == "auto":
-            return torch.float32 if device.type == "cpu" else torch.bfloat16
-        return torch_dtype(name)
+        return compute_dtype(self.config.training.mixed_precision_param, device.type)
 
     def check_traced_dtype(self, device: torch.device) -> None:
         """Traced stages run in float32 only: torch sizes their receive buffers from the trace's dtypes
@@ -114,12 +115,26 @@ class JobPlan:
         """fp32 parameters, gradients and Adam moments per device, split by FSDP x TP (no activations)."""
         return self.rank_params(pp_rank) * BYTES_PER_PARAM / self.param_split / 2**30
 
+    @cached_property
+    def pipeline_costs(self) -> PartCosts | None:
+        """Per-part action costs of the pipeline planner (None without pipelining), on the job's accelerators."""
+        if self.pipeline is None:
+            return None
+        return pipeline_costs(self.config, self.spec, self.model_args, self.build_model(), self.dims, DRY_RUN_DEVICE)
+
     def bubble(self) -> float | None:
         """Expected idle fraction of the pipeline ranks (None: no pipeline, or a CSV schedule)."""
         p = self.pipeline
         if p is None or p.schedule == "csv":
             return None
         return bubble_fraction(p.schedule, p.pp, self.n_microbatches, p.stages_per_rank)
+
+
+def compute_dtype(mixed_precision_param: str, device: str) -> torch.dtype:
+    """``[training] mixed_precision_param``: auto = bfloat16 on accelerators, float32 on CPU."""
+    if mixed_precision_param == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return torch_dtype(mixed_precision_param)
 
 
 def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = True) -> JobPlan:
@@ -176,13 +191,13 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
                           f" blocks ({spec.layers_attr}) in a {type(getattr(whole, spec.layers_attr, None)).__name__},"
                           " not a ModuleDict whose entries a stage can delete; set pipeline_parallel_frontend = \"tracer\"")
     if dims.pp > 1:
-        pipeline = build_pipeline_plan(p, whole, layers_attr=spec.layers_attr, pre=spec.pre_layers,
-                                       post=spec.post_layers, seq_len=t.seq_len)
         n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
-        if pipeline.schedule == "csv":
-            check_csv(p.pipeline_parallel_schedule_csv, [pipeline.stage_ids(r) for r in range(pipeline.pp)], n_micro)
-        else:
-            check_schedule(pipeline.schedule, pipeline.pp, n_micro, pipeline.stages_per_rank)
+        device = device_type() if check_memory else DRY_RUN_DEVICE
+        limit = p.pipeline_parallel_memory_limit_gib * 2**30 or (device_memory_bytes() if check_memory else None)
+        pipeline = build_pipeline_plan(
+            p, whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers, seq_len=t.seq_len,
+            n_microbatches=n_micro, costs=lambda: pipeline_costs(config, spec, args, whole, dims, device),
+            fits=None if limit is None else _fits(split_memory(config, spec, args, whole, dims, device, n_micro), limit))
     stage_params, stage_flops = _stage_costs(whole, spec, pipeline, t.seq_len)
     plan = JobPlan(
         config=config, dims=dims, spec=spec, model_args=args, num_params=num_params,
@@ -302,3 +317,74 @@ def _stage_costs(whole: nn.Module, spec: ModelSpec, pipeline: PipelinePlan | Non
         flops.append(sum(block_f[index[k]] for k in stage.blocks) + (pre_f if stage.first else 0.0)
                      + (post_f if stage.last else 0.0))
     return tuple(counts), tuple(flops)
+
+
+def _fits(rank_bytes, limit: float):
+    return lambda counts, placement: max(rank_bytes(counts, placement)) <= limit
+
+
+def cost_identity(config: JobConfig, args: Any, tp: int, cp: int) -> dict:
+    """What a measured pipeline cost file must share with the job it plans (pipeline_cost.IDENTITY_KEYS)."""
+    m = config.model
+    return {"model": f"{m.name} {m.flavor} {dict(sorted(m.overrides.items()))}",
+            "n_layers": getattr(args, "n_layers", None), "seq_len": config.training.seq_len,
+            "microbatch_size": config.parallelism.pipeline_parallel_microbatch_size, "tp": tp, "cp": cp,
+            "activation_checkpoint": f"{config.activation_checkpoint.mode} {config.activation_checkpoint.selective_ac_option}",
+            "dtype": config.training.mixed_precision_param}
+
+
+def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims,
+                   device: str) -> PartCosts:
+    """The planner's per-part costs: measured ones from ``pipeline_parallel_cost_file``, else the FLOP model."""
+    p, t, ac = config.parallelism, config.training, config.activation_checkpoint
+    tokens = p.pipeline_parallel_microbatch_size * t.seq_len // dims.cp
+    dtype = compute_dtype(t.mixed_precision_param, device)
+    send_bytes = tokens * (getattr(args, "dim", 0) or 0) * dtype.itemsize
+    n_blocks = len(model_blocks(whole, spec.layers_attr))
+    recompute = [ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op"
+                                        and i % int(ac.selective_ac_option) == 0) for i in range(n_blocks)]
+    flops = part_flops(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers, seq_len=t.seq_len)
+    link = dict(send_bytes=send_bytes, link_bytes_per_second=p.pipeline_parallel_link_gbytes_per_second * 1e9,
+                link_latency=p.pipeline_parallel_link_latency_us * 1e-6)
+    model = flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute,
+                       flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, **link)
+    if not p.pipeline_parallel_cost_file:
+        return model
+    measured = read_cost_file(p.pipeline_parallel_cost_file, cost_identity(config, args, dims.tp, dims.cp))
+    units = flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute, flops_per_second=None, **link)
+    send = link["link_latency"] + send_bytes / link["link_bytes_per_second"]
+    where = measured["measured"]
+    return calibrated_costs(units, measured["fit"], send=send,
+                            source=f"measured ({p.pipeline_parallel_cost_file}: {where.get('schedule')} on"
+                                   f" {where.get('device')}, split {where.get('split_points')})")
+
+
+def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims, device: str,
+                 n_micro: int):
+    """``rank_bytes(counts, placement)``: each pipeline rank's state + activation bytes for stages of ``counts``
+    blocks, rank r holding stages ``placement[r]`` (activations 0 where they are not estimated)."""
+    from trainer.activation_memory import part_activations, rank_peaks
+
+    p = config.parallelism
+    present = lambda names: [getattr(whole, n) for n in names if getattr(whole, n, None) is not None]  # noqa: E731
+    params = [sum(x.numel() for m in present(spec.pre_layers) for x in m.parameters()),
+              *(sum(x.numel() for x in b.parameters()) for b in model_blocks(whole, spec.layers_attr).values()),
+              sum(x.numel() for m in present(spec.post_layers) for x in m.parameters())]
+    split = dims.dp_shard * dims.cp * dims.tp
+    per_part = part_activations(config, spec, args, dims, compute_dtype(config.training.mixed_precision_param,
+                                                                        device).itemsize)
+    schedule = p.pipeline_parallel_schedule if not p.pipeline_parallel_schedule_csv else "csv"
+    tokens = p.pipeline_parallel_microbatch_size * config.training.seq_len
+
+    def rank_bytes(counts: tuple[int, ...], placement: list[list[int]]) -> list[float]:
+        last = len(counts) - 1
+        stage_state, start = [], 1
+        for s, c in enumerate(counts):
+            stage_state.append(sum(params[start:start + c]) + (params[0] if s == 0 else 0) + (params[-1] if s == last else 0))
+            start += c
+        acts = [0.0] * dims.pp
+        if schedule != "csv" and not isinstance(per_part, str):
+            acts = rank_peaks(per_part, counts, schedule_ops(schedule, dims.pp, n_micro, len(counts) // dims.pp), tokens)
+        return [sum(stage_state[s] for s in placement[r]) * BYTES_PER_PARAM / split + acts[r] for r in range(dims.pp)]
+
+    return rank_bytes

@@ -186,8 +186,18 @@ class Parallelism:
     """Pipeline-parallel ranks."""
     pipeline_parallel_split_points: list[str] = field(default_factory=list)
     """Module names that start a new pipeline stage, e.g. ["layers.4"]; empty = generated."""
-    pipeline_parallel_split_mode: Literal["flops", "params", "even"] = "flops"
-    """Without split points: balance stages by FLOPs or parameters (embedding and output included), or split layers evenly."""
+    pipeline_parallel_split_mode: Literal["makespan", "flops", "params", "even"] = "makespan"
+    """Without split points: makespan = the split whose simulated step of the configured schedule is shortest (per-stage F/B/I/W costs, transfers, memory limit); flops / params = balance stages by FLOPs or parameters (embedding and output included); even = split layers evenly."""
+    pipeline_parallel_cost_file: str = ""
+    """Measured action durations (pipeline_costs.json, written by a run with [profiling] pipeline_timeline_steps) that the split planner and the dry run use instead of the FLOP model."""
+    pipeline_parallel_device_tflops: Annotated[float, NonNegative] = 0.0
+    """Achieved TFLOP/s of one device, to predict the pipeline step in seconds and weigh transfers; 0 = relative units, transfers not modelled."""
+    pipeline_parallel_link_gbytes_per_second: Annotated[float, Positive] = 25.0
+    """Bandwidth between two pipeline ranks in GB/s, for the planner's transfer times."""
+    pipeline_parallel_link_latency_us: Annotated[float, NonNegative] = 20.0
+    """Latency of one transfer between pipeline ranks in microseconds, for the planner."""
+    pipeline_parallel_memory_limit_gib: Annotated[float, NonNegative] = 0.0
+    """Memory per device the planner's split must fit (state + activations of each rank), GiB; 0 = the device's memory at launch, no limit in a dry run."""
     pipeline_parallel_embedding_weight: Annotated[float, NonNegative] = 1.0
     """For split_mode even: the input embedding counts as this many layers on the first stage."""
     pipeline_parallel_output_weight: Annotated[float, NonNegative] = 1.0

@@ -6,6 +6,7 @@ modules before the blocks (embeddings), the last those after (final norm, output
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +16,9 @@ from trainer.config.schedules import CSV, SCHEDULES, ScheduleTraits
 from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
 from trainer.models.registry import model_blocks
+from trainer.parallel.pipeline_cost import PartCosts, part_flops
+from trainer.parallel.pipeline_planner import Simulator, SplitSearch, search_splits
+from trainer.parallel.schedule_sim import check_csv, check_schedule, program_for
 
 KEY = "[parallelism] pipeline_parallel_"
 
@@ -42,6 +46,12 @@ class PipelinePlan:
     pp: int
     schedule: str  # canonical torch name, or "csv"
     style: Literal["loop", "v"]
+    search: SplitSearch | None = None
+    """The makespan planner's search, when it chose the split."""
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        return tuple(len(s.blocks) for s in self.stages)
 
     @property
     def num_stages(self) -> int:
@@ -68,30 +78,19 @@ def module_costs(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], po
                  mode: Literal["flops", "params"], seq_len: int) -> tuple[float, list[float], float]:
     """(cost of pre-layers, cost of each block, cost of post-layers) of a meta-device model.
 
-    params: number of parameters (memory). flops: forward FLOPs per token, 2 per weight of each
-    Linear (embedding lookups are free), plus what modules with a ``forward_flops_per_token()``
-    method report (MoE experts: only the k chosen), plus attention scores, 4 * dim * seq_len per
-    block when the model's args have a ``dim``.
-    """
+    params: number of parameters (memory). flops: forward FLOPs per token (``pipeline_cost.part_flops``:
+    matmuls and attention scores)."""
+    if mode == "flops":
+        parts = [mm + attn for mm, attn in part_flops(model, layers_attr=layers_attr, pre=pre, post=post,
+                                                      seq_len=seq_len)]
+        return parts[0], parts[1:-1], parts[-1]
 
-    def cost(modules: list[nn.Module], is_block: bool) -> float:
-        if mode == "params":
-            return float(sum(p.numel() for m in modules for p in m.parameters()))
-        total = 0.0
-        for m in modules:
-            total += sum(2.0 * sub.weight.numel() for sub in m.modules() if isinstance(sub, nn.Linear))
-            # Modules whose weights a token uses only in part (routed experts) say what one token costs.
-            total += sum(sub.forward_flops_per_token() for sub in m.modules()
-                         if hasattr(sub, "forward_flops_per_token"))
-        dim = getattr(getattr(model, "args", None), "dim", None)
-        if is_block and dim:
-            total += 4.0 * dim * seq_len
-        return total
+    def count(names: tuple[str, ...]) -> float:
+        return float(sum(p.numel() for n in names if getattr(model, n, None) is not None
+                         for p in getattr(model, n).parameters()))
 
-    blocks = model_blocks(model, layers_attr)
-    pre_cost = cost([getattr(model, n) for n in pre if getattr(model, n, None) is not None], False)
-    post_cost = cost([getattr(model, n) for n in post if getattr(model, n, None) is not None], False)
-    return pre_cost, [cost([b], True) for b in blocks.values()], post_cost
+    blocks = [float(sum(p.numel() for p in b.parameters())) for b in model_blocks(model, layers_attr).values()]
+    return count(pre), blocks, count(post)
 
 
 def balanced_split(pre: float, blocks: list[float], post: float, num_stages: int) -> list[int]:
@@ -144,8 +143,13 @@ def num_stages_for(parallelism: Parallelism, traits: ScheduleTraits, n_layers: i
 
 
 def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_attr: str, pre: tuple[str, ...],
-                        post: tuple[str, ...], seq_len: int) -> PipelinePlan:
-    """Validate the pipeline keys against the model and decide every stage's blocks."""
+                        post: tuple[str, ...], seq_len: int, n_microbatches: int,
+                        costs: Callable[[], PartCosts] | None = None,
+                        fits: Callable[[tuple[int, ...], list[list[int]]], bool] | None = None) -> PipelinePlan:
+    """Validate the pipeline keys against the model and the schedule, and decide every stage's blocks.
+
+    ``costs``: the per-part action costs the makespan planner prices splits with (built only when it
+    runs); ``fits(counts, placement)``: whether every rank of a split fits the memory limit (None: no limit)."""
     pp = parallelism.pipeline_parallel_degree
     schedule, traits = schedule_traits(parallelism)
     block_keys = list(model_blocks(model, layers_attr))
@@ -187,11 +191,29 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_at
             f"{KEY}degree={pp}: {num_stages} stages ({per_rank} per rank) but the model has only {n_layers} layers"
         )
 
+    if schedule == "csv":
+        check_csv(parallelism.pipeline_parallel_schedule_csv,
+                  [[r + i * pp for i in range(per_rank)] for r in range(pp)], n_microbatches)
+    else:
+        check_schedule(schedule, pp, n_microbatches, per_rank)
+    search = None
+    mode = parallelism.pipeline_parallel_split_mode
     if points:
         bounds = [0] + positions + [n_layers]
         counts = [b - a for a, b in zip(bounds, bounds[1:])]
+    elif mode == "makespan":
+        if costs is None:
+            raise ValueError("the makespan planner needs the part costs")
+        sim = Simulator(costs(), program_for(schedule, pp, n_microbatches, per_rank,
+                                             parallelism.pipeline_parallel_schedule_csv))
+        search = search_splits(sim, fits=None if fits is None else lambda counts: fits(counts, sim.stage_ids))
+        if not search.best:
+            raise ConfigError(
+                f"{KEY}memory_limit_gib: none of the {search.evaluated} splits tried fits every rank"
+                f" (state + activations); raise the limit or data_parallel_shard_degree, lower"
+                " [training] local_batch_size or pipeline_parallel_microbatch_size, or use activation checkpointing")
+        counts = list(search.best[0].counts)
     else:
-        mode = parallelism.pipeline_parallel_split_mode
         if mode == "even":
             pre_c, block_c, post_c = (parallelism.pipeline_parallel_embedding_weight, [1.0] * n_layers,
                                       parallelism.pipeline_parallel_output_weight)
@@ -203,4 +225,4 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_at
     for s, c in enumerate(counts):
         stages.append(Stage(s, tuple(block_keys[start:start + c]), s == 0, s == num_stages - 1))
         start += c
-    return PipelinePlan(tuple(stages), pp, schedule, traits.placement)
+    return PipelinePlan(tuple(stages), pp, schedule, traits.placement, search)

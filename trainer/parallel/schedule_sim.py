@@ -7,6 +7,7 @@ only place that calls it, so a change in torch breaks one function with a clear 
 
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 from trainer.errors import ConfigError
@@ -46,21 +47,11 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
     run on this job: its stages on the ranks that hold them (``placement[r]``: rank r's stages), every
     microbatch of every stage run forward once and backward once (B, or I then W), and an order in
     which no rank waits forever for another."""
-    import re
-
-    from trainer.config.validate import read_csv_cells
-
     key = _CSV_KEY
-    cells = read_csv_cells(path)
+    rows = [[(k, s, m) for s, k, m in row] for row in csv_rows(path)]
     pp, num_stages = len(placement), sum(len(stages) for stages in placement)
-    if len(cells) != pp:
-        raise ConfigError(f"{key}: {path} has {len(cells)} rows, one per pipeline rank is needed ({pp})")
-    rows: list[list[tuple[str, int, int]]] = [[] for _ in cells]
-    for r, row in enumerate(cells):
-        for cell in row:
-            if cell:  # an empty cell is an idle slot, as torch writes them
-                m = re.fullmatch(r"(\d+)([FBIW])(\d+)", cell)
-                rows[r].append((m.group(2), int(m.group(1)), int(m.group(3))))
+    if len(rows) != pp:
+        raise ConfigError(f"{key}: {path} has {len(rows)} rows, one per pipeline rank is needed ({pp})")
     stages = {s for row in rows for _, s, _ in row}
     mbs = {mb for row in rows for _, _, mb in row}
     if stages != set(range(num_stages)):
@@ -110,6 +101,19 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
         raise ConfigError(f"{key}: {path}: this order cannot run, every rank waits for another ({stuck})") from None
 
 
+def csv_rows(path: str) -> list[list[tuple[int, str, int]]]:
+    """Each row's (stage, kind, microbatch) cells of a CSV schedule whose syntax was checked at load."""
+    import re
+
+    from trainer.config.validate import read_csv_cells
+
+    rows = []
+    for row in read_csv_cells(path):
+        cells = [re.fullmatch(r"(\d+)([FBIW])(\d+)", cell) for cell in row if cell]  # empty = idle slot
+        rows.append([(int(m.group(1)), m.group(2), int(m.group(3))) for m in cells])
+    return rows
+
+
 def _stages_rule(placement: list[list[int]]) -> list[str]:
     """'r', 'r+2', ... for the loop placement the CSV runtime uses."""
     return ["r" if i == 0 else f"r+{i * len(placement)}" for i in range(len(placement[0]))]
@@ -124,6 +128,7 @@ class Deadlock(RuntimeError):
 
 
 _KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+KIND_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
 
 
 def _flatten(action) -> list[tuple[str, int, int]]:
@@ -138,6 +143,107 @@ def _flatten(action) -> list[tuple[str, int, int]]:
     return [(kind, action.stage_index, action.microbatch_index)]
 
 
+@dataclass(frozen=True)
+class Program:
+    """A schedule compiled for replay: each rank's actions in order, and what each action waits for.
+
+    An action starts when its rank is free and its inputs exist: a forward needs the previous
+    stage's forward of the microbatch, a backward (B or I) its own forward and the next stage's
+    backward of the microbatch, a weight gradient its own input gradient. An input made on another
+    rank arrives ``send`` after it was made (one activation or gradient transfer)."""
+
+    actions: tuple[tuple[str, int, int], ...]
+    """(kind, stage, microbatch) of every action; index = action id."""
+    order: tuple[tuple[int, ...], ...]
+    """Each rank's action ids in the order it runs them."""
+    deps: tuple[tuple[tuple[int, bool], ...], ...]
+    """Per action: (action id it waits for, whether that one ran on another rank); -1 = never made."""
+    num_stages: int
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.order)
+
+    def owner(self) -> dict[int, int]:
+        return {self.actions[a][1]: r for r, ids in enumerate(self.order) for a in ids}
+
+
+def compile_program(queues: list[list[tuple[str, int, int]]], num_stages: int) -> Program:
+    actions = [a for q in queues for a in q]
+    ids = {a: i for i, a in enumerate(actions)}
+    owner = {stage: r for r, q in enumerate(queues) for _, stage, _ in q}
+    order, i = [], 0
+    for q in queues:
+        order.append(tuple(range(i, i + len(q))))
+        i += len(q)
+
+    def dep(stage: int, *kinds: str, mb: int, me: int) -> tuple[int, bool]:
+        found = [ids[(k, stage, mb)] for k in kinds if (k, stage, mb) in ids]
+        return (found[0] if found else -1, owner.get(stage, me) != me)
+
+    deps = []
+    for kind, stage, mb in actions:
+        me = owner[stage]
+        need = []
+        if kind == "F" and stage > 0:
+            need.append(dep(stage - 1, "F", mb=mb, me=me))
+        if kind in ("B", "I"):
+            need.append(dep(stage, "F", mb=mb, me=me))
+            if stage < num_stages - 1:
+                need.append(dep(stage + 1, "I", "B", mb=mb, me=me))
+        if kind == "W":
+            need.append(dep(stage, "I", mb=mb, me=me))
+        deps.append(tuple(need))
+    return Program(tuple(actions), tuple(order), tuple(deps), num_stages)
+
+
+def replay(program: Program, table: list[list[float]], send: float = 0.0,
+           spans: list | None = None) -> tuple[float, list[float]]:
+    """(makespan, busy time of each rank) running every rank's actions in order as early as their inputs
+    allow. ``table[k][stage]``: duration of an action of kind ``k`` (KIND_INDEX) on ``stage``; ``send``:
+    time of a transfer between ranks. Raises ``Deadlock`` when no rank can go on. ``spans``, if given,
+    receives (rank, kind, stage, microbatch, start, end) of every action."""
+    n = len(program.actions)
+    done = [-1.0] * (n + 1)  # finish time; the extra slot stands for an action that never runs (id -1)
+    kinds = [KIND_INDEX[a[0]] for a in program.actions]
+    stages = [a[1] for a in program.actions]
+    ranks = program.num_ranks
+    clock, busy, pos = [0.0] * ranks, [0.0] * ranks, [0] * ranks
+    remaining = n
+    while remaining:
+        progressed = False
+        for r in range(ranks):
+            queue, i = program.order[r], pos[r]
+            while i < len(queue):
+                a = queue[i]
+                at = 0.0
+                for d, cross in program.deps[a]:
+                    t = done[d]
+                    if t < 0.0:
+                        break
+                    if cross:
+                        t += send
+                    if t > at:
+                        at = t
+                else:
+                    duration = table[kinds[a]][stages[a]]
+                    begin = clock[r] if clock[r] > at else at
+                    clock[r] = done[a] = begin + duration
+                    busy[r] += duration
+                    if spans is not None:
+                        kind, stage, mb = program.actions[a]
+                        spans.append((r, kind, stage, mb, begin, clock[r]))
+                    i += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
+                break
+            pos[r] = i
+        if not progressed:
+            raise Deadlock([(r, program.actions[q[pos[r]]]) for r, q in enumerate(program.order) if pos[r] < len(q)])
+    return max(clock), busy
+
+
 def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
     """(makespan, busy time summed over ranks) running each rank's torch actions in order (see ``_run``)."""
     return _run([[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops], num_stages)
@@ -145,63 +251,15 @@ def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
 
 def _run(queues: list[list[tuple[str, int, int]]], num_stages: int, spans: list | None = None,
          cost: Callable[[str, int], float] | None = None) -> tuple[float, float]:
-    """(makespan, busy time summed over ranks) running each rank's (kind, stage, microbatch) in order.
-
-    An action starts when its rank is free and its inputs exist: a forward needs the previous
-    stage's forward of the microbatch, a backward needs its own forward and the next stage's
-    backward, a weight gradient its own input gradient. Communication is free. Raises
-    ``Deadlock`` when no rank can go on. ``spans``, if given, receives (rank, kind, stage,
-    microbatch, start, end) of every action. ``cost(kind, stage)``: an action's duration (default:
-    ``COST``, with a stage being 1/v of a rank's layers).
-    """
+    """(makespan, busy time summed over ranks) of ``replay`` with ``cost(kind, stage)`` as each action's
+    duration (default: ``COST``, with a stage being 1/v of a rank's layers) and free communication."""
     if cost is None:
         v = num_stages // len(queues)
         cost = lambda kind, stage: COST[kind] / v  # noqa: E731
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * len(queues)
-    pos = [0] * len(queues)
-
-    def ready(kind: str, stage: int, mb: int) -> float | None:
-        needs = []
-        if kind == "F" and stage > 0:
-            needs.append([("F", stage - 1, mb)])
-        if kind in ("B", "I"):
-            needs.append([("F", stage, mb)])
-            if stage < num_stages - 1:
-                needs.append([("B", stage + 1, mb), ("I", stage + 1, mb)])
-        if kind == "W":
-            needs.append([("I", stage, mb)])
-        times = []
-        for alternatives in needs:
-            hit = [done[k] for k in alternatives if k in done]
-            if not hit:
-                return None
-            times.append(min(hit))
-        return max(times, default=0.0)
-
-    busy = 0.0
-    remaining = sum(len(q) for q in queues)
-    while remaining:
-        progressed = False
-        for r, queue in enumerate(queues):
-            while pos[r] < len(queue):
-                kind, stage, mb = queue[pos[r]]
-                at = ready(kind, stage, mb)
-                if at is None:
-                    break
-                duration = cost(kind, stage)
-                begin = max(clock[r], at)
-                clock[r] = begin + duration
-                done[(kind, stage, mb)] = clock[r]
-                if spans is not None:
-                    spans.append((r, kind, stage, mb, begin, clock[r]))
-                busy += duration
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise Deadlock([(r, q[pos[r]]) for r, q in enumerate(queues) if pos[r] < len(q)])
-    return max(clock), busy
+    used = {(kind, stage) for q in queues for kind, stage, _ in q}  # ``cost`` may know only these
+    table = [[cost(k, s) if (k, s) in used else 0.0 for s in range(num_stages)] for k in KIND_INDEX]
+    makespan, busy = replay(compile_program(queues, num_stages), table, spans=spans)
+    return makespan, sum(busy)
 
 
 def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> float:
@@ -220,6 +278,15 @@ def simulated_spans(schedule: str, pp: int, n_microbatches: int, stages_per_rank
     spans: list[tuple] = []
     _run(_queues(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank, spans)
     return spans
+
+
+def program_for(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int, csv: str = "") -> Program:
+    """The compiled action lists of a named schedule, or of the CSV file ``csv`` when schedule is "csv"."""
+    if schedule == "csv":
+        queues = [[(k, s, m) for s, k, m in row] for row in csv_rows(csv)]
+    else:
+        queues = _queues(schedule, pp, n_microbatches, stages_per_rank)
+    return compile_program(queues, pp * stages_per_rank)
 
 
 def _queues(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[list[tuple[str, int, int]]]:

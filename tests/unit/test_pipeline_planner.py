@@ -1,0 +1,194 @@
+"""The makespan planner: exact against brute force, rank-balanced V splits, memory limits, the dry run's
+prediction, calibration from measured action times and the cost file."""
+
+import itertools
+import json
+import random
+
+import pytest
+
+from tests.conftest import load_plan
+from trainer.dry_run import describe_plan
+from trainer.errors import ConfigError
+from trainer.parallel.pipeline_cost import KINDS, PartCosts, fit_costs, flop_costs
+from trainer.parallel.pipeline_planner import Simulator, search_splits
+from trainer.parallel.schedule_sim import program_for
+from trainer.plan import split_memory
+
+PP2_ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+
+
+def random_costs(rng: random.Random, n_blocks: int, send: float = 0.0) -> PartCosts:
+    """Blocks of unequal cost, an embedding and a heavy output: F, and I / W of different weights."""
+    fwd = [rng.uniform(0.0, 0.3)] + [rng.uniform(0.5, 2.0) for _ in range(n_blocks)] + [rng.uniform(0.2, 3.0)]
+    inp = [f * rng.uniform(0.8, 1.6) for f in fwd]
+    wgt = [f * rng.uniform(0.6, 1.2) for f in fwd]
+    parts = {"F": tuple(fwd), "I": tuple(inp), "W": tuple(wgt), "B": tuple(i + w for i, w in zip(inp, wgt))}
+    return PartCosts(parts, {k: rng.uniform(0.0, 0.1) for k in KINDS}, send, "units", "random")
+
+
+def brute_force(sim: Simulator) -> list[float]:
+    """Every contiguous split's makespan, smallest first (written apart from the planner's search)."""
+    n, stages = sim.costs.num_blocks, sim.program.num_stages
+    out = []
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        out.append(sim.predict(tuple(b - a for a, b in zip(bounds, bounds[1:]))).makespan)
+    return sorted(out)
+
+
+CASES = [  # schedule, pp, stages per rank, microbatches
+    ("1F1B", 2, 1, 4), ("1F1B", 4, 1, 8), ("GPipe", 3, 1, 4),
+    ("Interleaved1F1B", 2, 2, 4), ("Interleaved1F1B", 2, 3, 4), ("Interleaved1F1B", 2, 4, 4),
+    ("InterleavedZeroBubble", 2, 2, 4), ("LoopedBFS", 3, 2, 3),
+    ("ZBVZeroBubble", 2, 2, 4), ("ZBVZeroBubble", 3, 2, 6), ("ZBVZeroBubble", 4, 2, 8), ("DualPipeV", 2, 2, 4),
+]
+
+
+@pytest.mark.parametrize("schedule,pp,per_rank,m", CASES)
+def test_the_planner_finds_the_exhaustive_optimum(schedule, pp, per_rank, m):
+    """Random part costs (and a transfer time): both the full enumeration and the branch and bound return
+    the four best makespans of a brute-force search."""
+    rng = random.Random(hash((schedule, pp, per_rank)) % 1000)
+    program = program_for(schedule, pp, m, per_rank)
+    for trial in range(3):
+        n_blocks = pp * per_rank + rng.randint(2, 5)
+        sim = Simulator(random_costs(rng, n_blocks, send=rng.choice([0.0, 0.3])), program)
+        every = brute_force(sim)
+        exact = search_splits(sim)
+        assert exact.exact and exact.best[0].makespan == pytest.approx(every[0], rel=1e-12)
+        assert [p.makespan for p in exact.best] == pytest.approx(every[:4], rel=1e-12)
+        pruned = search_splits(sim, enumerate_up_to=0)  # branch and bound, with a budget it does not reach
+        assert pruned.exact and pruned.evaluated <= len(every)
+        assert [p.makespan for p in pruned.best] == pytest.approx(every[:4], rel=1e-12)
+
+
+def test_the_search_under_a_small_budget_states_a_valid_bound():
+    """32 blocks on 8 V stages (2.6M splits): the search stops at its budget, returns a split at least as
+    good as the even one, and a lower bound no split beats (the average rank's work)."""
+    rng = random.Random(7)
+    sim = Simulator(random_costs(rng, 32), program_for("ZBVZeroBubble", 4, 8, 2))
+    found = search_splits(sim, budget=300)
+    assert not found.exact and found.evaluated <= 300
+    assert found.best[0].makespan <= sim.predict((4,) * 8).makespan
+    total_work = sum(sum(sim.stage_load(sim.costs.stage_table((4,) * 8), s) for s in ids) for ids in sim.stage_ids)
+    assert found.lower_bound == pytest.approx(total_work / 4)
+
+
+def test_v_placement_balances_ranks_not_stages():
+    """The issue's case: debug model, PP2 ZBVZeroBubble. The stage-balanced split (layers.1, .3, .5) gives
+    rank 0 two blocks + output and rank 1 four blocks; the planner's split evens the ranks' work and its
+    simulated step is shorter."""
+    plan = load_plan(PP2_ZBV)
+    old = load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_split_mode", "flops"])
+    assert old.pipeline.split_points() == ["layers.1", "layers.3", "layers.5"]
+    p = plan.pipeline
+    sim = Simulator(plan.pipeline_costs, program_for(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank))
+    new, before = sim.predict(p.counts), sim.predict(old.pipeline.counts)
+    assert new.makespan < before.makespan
+    assert max(new.busy) / min(new.busy) < max(before.busy) / min(before.busy)
+    # Both ranks hold three blocks, rank 0 also the embedding and output
+    assert sum(p.counts[s] for s in (0, 3)) == 3 and sum(p.counts[s] for s in (1, 2)) == 3
+
+
+def test_a_memory_limit_forces_another_split():
+    """A limit just below what the fastest split needs on its busiest rank: the planner picks the fastest
+    split that fits; without the limit it picks the other one."""
+    free = load_plan(PP2_ZBV)
+    whole = free.build_model()
+    rank_bytes = split_memory(free.config, free.spec, free.model_args, whole, free.dims, "cuda", free.n_microbatches)
+    placement = [free.pipeline.stage_ids(r) for r in range(2)]
+    need = max(rank_bytes(free.pipeline.counts, placement))
+    limit_gib = need * 0.999 / 2**30
+    limited = load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_memory_limit_gib", str(limit_gib)],
+                        check_memory=False)
+    assert limited.pipeline.counts != free.pipeline.counts
+    assert max(rank_bytes(limited.pipeline.counts, placement)) <= limit_gib * 2**30
+    # the fastest of the splits that fit, by the same simulation
+    sim = Simulator(free.pipeline_costs, program_for("ZBVZeroBubble", 2, free.n_microbatches, 2))
+    fitting = [c for c in (tuple(b - a for a, b in zip((0, *cuts, 6), (*cuts, 6)))
+                           for cuts in itertools.combinations(range(1, 6), 3))
+               if max(rank_bytes(c, placement)) <= limit_gib * 2**30]
+    assert sim.predict(limited.pipeline.counts).makespan == min(sim.predict(c).makespan for c in fitting)
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_memory_limit_gib: none of the 10 splits"):
+        load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_memory_limit_gib", "0.001"], check_memory=False)
+
+
+def test_dry_run_predicts_each_rank_and_compares_given_split_points(tmp_path):
+    args = PP2_ZBV + ["--job.dump_folder", str(tmp_path)]
+    text = describe_plan(load_plan(args))
+    assert "Split chosen by the planner (split_mode makespan; exact: all 10 contiguous splits simulated)" in text
+    assert "pp rank  stages  compute  idle  bubble" in text and "step (makespan):" in text
+    assert text.count("Next best: ") == 1 and text.split("Next best: ")[1].count("%)") == 3
+    given = load_plan(args + ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"])
+    plan = load_plan(args)
+    sim = Simulator(plan.pipeline_costs, program_for("ZBVZeroBubble", 2, 8, 2))
+    slower = sim.predict((1, 2, 2, 1)).makespan / sim.predict(plan.pipeline.counts).makespan - 1
+    assert (f"predicted {100 * slower:.1f}% slower than the planner's choice"
+            f" [{', '.join(plan.pipeline.split_points())}]") in describe_plan(given)
+    # GFLOP/token printed with enough digits to be non-zero on the debug model
+    assert "0.00 " not in text.split("fwd GFLOP/token")[1].split("pp rank")[0]
+
+
+def test_flop_model_prices_attention_and_checkpointing():
+    """One block of 10 matmul FLOPs and 4 attention FLOPs per token, 3 tokens: F = 42, I = 3 x (10 + 8) = 54,
+    W = 30; under activation checkpointing the input-gradient pass runs the forward again (+42)."""
+    flops = [(0.0, 0.0), (10.0, 4.0), (6.0, 0.0)]
+    plain = flop_costs(flops, tokens=3, tp=1, recompute=[False], flops_per_second=1.0, send_bytes=8,
+                       link_bytes_per_second=2, link_latency=1)
+    assert plain.parts["F"] == (0.0, 42.0, 18.0) and plain.parts["I"] == (0.0, 54.0, 18.0)
+    assert plain.parts["W"] == (0.0, 30.0, 18.0) and plain.parts["B"] == (0.0, 84.0, 36.0)
+    assert plain.send == 1 + 8 / 2 and plain.unit == "s"
+    ac = flop_costs(flops, tokens=3, tp=2, recompute=[True], flops_per_second=None, send_bytes=8,
+                    link_bytes_per_second=2, link_latency=1)
+    # tp 2 halves everything; relative units: the block's forward is 1; no transfers without a throughput
+    assert ac.parts["F"] == pytest.approx((0.0, 1.0, 18 / 42)) and ac.parts["I"][1] == pytest.approx((27 + 21) / 21)
+    assert ac.send == 0.0 and ac.unit == "units"
+
+
+@pytest.mark.parametrize("counts", [(1, 2, 2, 1), (2, 1, 1, 2)])
+def test_calibration_recovers_the_costs_that_made_the_measurements(counts):
+    """Durations made from known seconds (overhead + per unit x block units + pre + post, per kind), with
+    noise on repeated samples: the fit recovers them; two stages (underdetermined) are reproduced exactly."""
+    units = flop_costs([(0.0, 0.0)] + [(3.0, 1.0), (2.0, 1.0), (4.0, 1.0), (3.0, 1.0), (2.0, 1.0), (3.0, 1.0)]
+                       + [(5.0, 0.0)], tokens=1, tp=1, recompute=[False] * 6, flops_per_second=None,
+                       send_bytes=0, link_bytes_per_second=1, link_latency=0)
+    truth = {"F": (0.002, 0.010, 0.001, 0.007), "I": (0.003, 0.012, 0.0005, 0.006), "W": (0.001, 0.008, 0.002, 0.005)}
+    starts = [1 + sum(counts[:s]) for s in range(4)]
+    actions = []
+    for kind, (over, per_unit, pre, post) in truth.items():
+        for s in range(4):
+            t = over + per_unit * sum(units.parts[kind][starts[s]:starts[s] + counts[s]]) + pre * (s == 0) + post * (s == 3)
+            actions += [(kind, s, t * f) for f in (0.97, 1.0, 1.05)]  # the median is the noiseless value
+    fit = fit_costs(units, list(counts), actions)
+    for kind, (over, per_unit, pre, post) in truth.items():
+        got = fit[kind]
+        modelled = [got["overhead_s"] + got["per_unit_s"] * sum(units.parts[kind][starts[s]:starts[s] + counts[s]])
+                    + got["pre_s"] * (s == 0) + got["post_s"] * (s == 3) for s in range(4)]
+        measured = [over + per_unit * sum(units.parts[kind][starts[s]:starts[s] + counts[s]]) + pre * (s == 0)
+                    + post * (s == 3) for s in range(4)]
+        assert modelled == pytest.approx(measured, rel=2e-3)
+    two = fit_costs(units, [3, 3], [(k, s, 0.05 + 0.02 * s + 0.01 * KINDS.index(k)) for k in "FB" for s in (0, 1)])
+    for kind in "FB":
+        got = two[kind]
+        for s, c in enumerate((3, 3)):
+            value = (got["overhead_s"] + got["per_unit_s"] * sum(units.parts[kind][1 + 3 * s:4 + 3 * s])
+                     + got["pre_s"] * (s == 0) + got["post_s"] * (s == 1))
+            assert value == pytest.approx(0.05 + 0.02 * s + 0.01 * KINDS.index(kind), rel=1e-3)
+
+
+def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
+    bad = tmp_path / "costs.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_cost_file: .*costs.json is not a"):
+        load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(bad)]).pipeline_costs
+    with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_cost_file: .*missing.json does not"):
+        load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(tmp_path / "missing.json")])
+    other = tmp_path / "other.json"
+    plan = load_plan(PP2_ZBV)
+    from trainer.plan import cost_identity
+
+    identity = cost_identity(plan.config, plan.model_args, 1, 1) | {"seq_len": 512}
+    other.write_text(json.dumps({"version": 1, "job": identity, "measured": {}, "fit": {}}))
+    with pytest.raises(ConfigError, match=r"measured with seq_len 512, this job has 256 \(\[training\] seq_len\)"):
+        load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(other)])

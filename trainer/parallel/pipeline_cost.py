@@ -1,0 +1,230 @@
+"""What each pipeline action costs: forward (F), full backward (B), input gradient (I) and weight
+gradient (W) of every stage, and the time of one transfer between pipeline ranks.
+
+The model is cut into parts: the modules before the blocks (pre: embeddings), each block, the
+modules after them (post: final norm, output projection). A stage's action costs are the sums
+over its parts plus a fixed cost per action, so every contiguous split is priced from one table.
+
+From the model (``flop_costs``), per microbatch:
+- a Linear (and modules reporting ``forward_flops_per_token``, e.g. the k routed experts): forward
+  2 FLOPs per weight and token, input gradient as much, weight gradient as much;
+- attention scores (no weights): forward 4 x dim x seq_len per token, input gradient twice that,
+  no weight gradient;
+- a block under activation checkpointing runs its forward again in its input-gradient pass;
+- tensor parallelism divides every matmul by tp; context parallelism the tokens of a rank by cp.
+Without a throughput the unit is relative (1 = the mean block's forward of one microbatch) and
+communication is not modelled; with ``pipeline_parallel_device_tflops`` it is seconds, and a
+transfer costs latency + bytes / bandwidth (the activation of one microbatch).
+
+From a measured run (``fit_costs``, written by the pipeline timeline to ``pipeline_costs.json``,
+read back with ``pipeline_parallel_cost_file``): seconds per action kind fitted to the measured
+per-stage durations as overhead + seconds per block unit x block units + pre + post.
+"""
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainer.errors import ConfigError
+from trainer.models.registry import model_blocks
+
+KINDS = ("F", "B", "I", "W")
+COST_FILE_KEY = "[parallelism] pipeline_parallel_cost_file"
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """Cost of one microbatch through each part (pre, block 0 .. n-1, post) per action kind."""
+
+    parts: dict[str, tuple[float, ...]]
+    """Kind (F, B, I, W) -> cost of each part: index 0 = pre, 1..n = blocks, n + 1 = post."""
+    overhead: dict[str, float]
+    """Kind -> fixed cost of every action of that kind, whatever its stage holds."""
+    send: float
+    """One activation or gradient transfer between two pipeline ranks (0: not modelled)."""
+    unit: str
+    """"s" (seconds) or "units" (1 = the mean block's forward of one microbatch)."""
+    source: str
+    """Where the numbers come from, for the dry run."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.parts["F"]) - 2
+
+    def stage_table(self, counts: list[int] | tuple[int, ...]) -> list[list[float]]:
+        """``table[kind index][stage]`` (kinds in KINDS order) for stages of ``counts`` blocks each."""
+        table, start = [], 1
+        bounds = []
+        for c in counts:
+            bounds.append((start, start + c))
+            start += c
+        last = len(counts) - 1
+        for kind in KINDS:
+            values, over = self.parts[kind], self.overhead[kind]
+            row = []
+            for s, (a, b) in enumerate(bounds):
+                row.append(over + math.fsum(values[a:b]) + (values[0] if s == 0 else 0.0)
+                           + (values[-1] if s == last else 0.0))
+            table.append(row)
+        return table
+
+
+def part_flops(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], post: tuple[str, ...],
+               seq_len: int) -> list[tuple[float, float]]:
+    """(matmul FLOPs, attention-score FLOPs) of one token's forward through each part: pre, each block, post.
+
+    Matmuls: 2 per weight of each Linear (embedding lookups are free) plus what modules with a
+    ``forward_flops_per_token()`` method report (routed experts: the k chosen). Attention scores:
+    4 * dim * seq_len per block when the model's args have a ``dim``."""
+    dim = getattr(getattr(model, "args", None), "dim", None)
+
+    def matmuls(modules: list[nn.Module]) -> float:
+        total = 0.0
+        for m in modules:
+            total += sum(2.0 * sub.weight.numel() for sub in m.modules() if isinstance(sub, nn.Linear))
+            total += sum(sub.forward_flops_per_token() for sub in m.modules() if hasattr(sub, "forward_flops_per_token"))
+        return total
+
+    def present(names: tuple[str, ...]) -> list[nn.Module]:
+        return [getattr(model, n) for n in names if getattr(model, n, None) is not None]
+
+    blocks = [(matmuls([b]), 4.0 * dim * seq_len if dim else 0.0) for b in model_blocks(model, layers_attr).values()]
+    return [(matmuls(present(pre)), 0.0), *blocks, (matmuls(present(post)), 0.0)]
+
+
+def flop_costs(flops: list[tuple[float, float]], *, tokens: float, tp: int, recompute: list[bool],
+               flops_per_second: float | None, send_bytes: float, link_bytes_per_second: float,
+               link_latency: float) -> PartCosts:
+    """PartCosts of the FLOP model. ``flops``: ``part_flops``; ``tokens``: tokens of one microbatch on one
+    rank; ``recompute[i]``: block i is activation-checkpointed; ``flops_per_second``: achieved device
+    throughput (None: relative units, no communication)."""
+    fwd, inp, wgt = [], [], []
+    for i, (mm, attn) in enumerate(flops):
+        block = 0 < i < len(flops) - 1
+        f = tokens * (mm + attn) / tp
+        fwd.append(f)
+        inp.append(tokens * (mm + 2 * attn) / tp + (f if block and recompute[i - 1] else 0.0))
+        wgt.append(tokens * mm / tp)
+    if flops_per_second:
+        scale, unit, send = 1.0 / flops_per_second, "s", link_latency + send_bytes / link_bytes_per_second
+        source = f"FLOP model at {flops_per_second / 1e12:g} TFLOP/s per device"
+    else:
+        blocks = fwd[1:-1]
+        scale, unit, send = 1.0 / (sum(blocks) / len(blocks)), "units", 0.0
+        source = "FLOP model"
+    parts = {"F": tuple(x * scale for x in fwd), "I": tuple(x * scale for x in inp),
+             "W": tuple(x * scale for x in wgt)}
+    parts["B"] = tuple(i + w for i, w in zip(parts["I"], parts["W"], strict=True))
+    return PartCosts(parts, dict.fromkeys(KINDS, 0.0), send, unit, source)
+
+
+# -- calibration from a measured timeline --------------------------------------------------------
+
+def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str, int, float]]) -> dict:
+    """Seconds per action kind fitted to measured actions (kind, stage, seconds) of a run split into
+    stages of ``counts`` blocks: each kind's stage duration = overhead + per_unit x (the FLOP model's
+    units of its blocks) + pre (first stage) + post (last stage). Least squares on the per-stage
+    medians, pulled weakly towards the FLOP model scaled to the measured total, which decides what
+    the measurements cannot (two stages cannot separate four numbers)."""
+    samples: dict[tuple[str, int], list[float]] = {}
+    for kind, stage, seconds in actions:
+        samples.setdefault((kind, stage), []).append(seconds)
+    fit = {}
+    last = len(counts) - 1
+    starts = [1 + sum(counts[:s]) for s in range(len(counts))]
+    for kind in KINDS:
+        stages = sorted(s for k, s in samples if k == kind)
+        if not stages:
+            continue
+        parts = model_costs.parts[kind]
+        y = [statistics.median(samples[(kind, s)]) for s in stages]
+        rows = [[1.0, math.fsum(parts[starts[s]:starts[s] + counts[s]]), float(s == 0), float(s == last)]
+                for s in stages]
+        modelled = [r[1] + parts[0] * r[2] + parts[-1] * r[3] for r in rows]
+        sigma = sum(y) / sum(modelled)  # seconds per unit, over the whole measured step
+        prior = [0.0, sigma, sigma * parts[0], sigma * parts[-1]]
+        # Each prior row weighs like 1/100 of a stage measurement of a block's size: it settles only what
+        # the measurements leave open.
+        size = [sigma, sigma, sigma * max(parts[0], 1.0), sigma * max(parts[-1], 1.0)]
+        a = [[v / sigma for v in r] for r in rows] + [[0.01 * sigma / size[j] * (i == j) for i in range(4)]
+                                                       for j in range(4)]
+        b = [v / sigma for v in y] + [0.01 * sigma / size[j] * prior[j] for j in range(4)]
+        overhead, per_unit, pre, post = _nonnegative_lstsq(a, b)
+        fit[kind] = {"overhead_s": overhead, "per_unit_s": per_unit, "pre_s": pre, "post_s": post,
+                     "stage_median_s": dict(zip(map(str, stages), y, strict=True))}
+    return fit
+
+
+def _nonnegative_lstsq(a: list[list[float]], b: list[float]) -> list[float]:
+    """Least squares with every unknown >= 0: an unknown that comes out negative is fixed at 0 and the
+    rest solved again (a duration has no negative part)."""
+    free = list(range(len(a[0])))
+    while True:
+        cols = torch.tensor([[row[j] for j in free] for row in a], dtype=torch.float64)
+        x = torch.linalg.lstsq(cols, torch.tensor(b, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1).tolist()
+        negative = [j for j, v in zip(free, x, strict=True) if v < 0]
+        if not negative:
+            out = [0.0] * len(a[0])
+            for j, v in zip(free, x, strict=True):
+                out[j] = v
+            return out
+        free = [j for j in free if j not in negative]
+
+
+def calibrated_costs(model_costs: PartCosts, fit: dict, *, send: float, source: str) -> PartCosts:
+    """PartCosts in seconds from ``fit_costs``'s result; kinds the run did not measure are derived:
+    B = I + W, or I and W as the FLOP model divides B."""
+    parts: dict[str, tuple[float, ...]] = {}
+    overhead: dict[str, float] = {}
+    for kind, f in fit.items():
+        units = model_costs.parts[kind]
+        parts[kind] = (f["pre_s"], *(f["per_unit_s"] * u for u in units[1:-1]), f["post_s"])
+        overhead[kind] = f["overhead_s"]
+    if "B" not in parts and "I" in parts and "W" in parts:
+        parts["B"] = tuple(i + w for i, w in zip(parts["I"], parts["W"], strict=True))
+        overhead["B"] = overhead["I"] + overhead["W"]
+    if "B" in parts and ("I" not in parts or "W" not in parts):
+        for kind in ("I", "W"):
+            share = [m / b if b else 0.5 for m, b in zip(model_costs.parts[kind], model_costs.parts["B"], strict=True)]
+            parts[kind] = tuple(x * s for x, s in zip(parts["B"], share, strict=True))
+            overhead[kind] = overhead["B"] / 2
+    if "F" not in parts or "B" not in parts:
+        raise ConfigError(f"{COST_FILE_KEY}: the measured run has no forward and backward actions")
+    return PartCosts(parts, overhead, send, "s", source)
+
+
+def write_cost_file(path: Path, *, identity: dict, measured: dict, fit: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": 1, "job": identity, "measured": measured, "fit": fit}, indent=1))
+    tmp.replace(path)
+
+
+# What must match between the measured run and the planned job, and the key that sets each.
+IDENTITY_KEYS = {"model": "[model] name / flavor / overrides", "n_layers": "[model] n_layers",
+                 "seq_len": "[training] seq_len", "microbatch_size": "[parallelism] pipeline_parallel_microbatch_size",
+                 "tp": "[parallelism] tensor_parallel_degree", "cp": "[parallelism] context_parallel_degree",
+                 "activation_checkpoint": "[activation_checkpoint] mode", "dtype": "[training] mixed_precision_param"}
+
+
+def read_cost_file(path: str, identity: dict) -> dict:
+    """The measured file's content, refused with one line when it does not describe this job."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+        fit, job, measured = data["fit"], data["job"], data["measured"]
+    except FileNotFoundError:
+        raise ConfigError(f"{COST_FILE_KEY}: {p.resolve()} does not exist") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{COST_FILE_KEY}: {p.resolve()} is not a pipeline cost file written by a timed run"
+                          f" ({type(e).__name__}: {e})") from None
+    for name, key in IDENTITY_KEYS.items():
+        if job.get(name) != identity[name]:
+            raise ConfigError(f"{COST_FILE_KEY}: {p} was measured with {name} {job.get(name)!r}, this job has"
+                              f" {identity[name]!r} ({key}); measure again with this job's settings")
+    return {"fit": fit, "measured": measured}

@@ -1,0 +1,223 @@
+"""Choose where to cut the model: the contiguous split whose simulated step is shortest.
+
+What a pipeline step costs is decided by the ranks and the schedule's critical path, not by the
+most expensive stage: with V placement a rank holds two stages, so equal stages can still leave
+a rank idle a third of the time. Each candidate split is priced per stage and action kind
+(``PartCosts``) and the schedule's own action lists are replayed with those costs and the
+transfers between ranks (``schedule_sim.replay``); the split with the smallest makespan wins,
+among those whose every rank fits the memory limit.
+
+Search: every split when there are at most ``budget`` of them (exact). Otherwise a depth-first
+branch and bound over the cut positions, seeded with the stage-balanced split improved by moving
+one cut at a time: a rank's busy time never exceeds the makespan, so any partial split whose
+busiest rank already exceeds the best makespans kept is dropped unseen. If the budget runs out
+first, the result is still a valid split and the search states a lower bound on the optimum
+(the smallest bound of the parts it did not explore), so the gap is known.
+"""
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trainer.parallel.pipeline_cost import KINDS, PartCosts
+from trainer.parallel.schedule_sim import Program, replay
+
+# Action-replays per search (actions x candidates): about a second of Python at worst.
+REPLAY_BUDGET = 200_000
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One split's simulated step."""
+
+    counts: tuple[int, ...]
+    makespan: float
+    busy: tuple[float, ...]
+    """Compute time of each pipeline rank in the step."""
+
+    def bubble(self, rank: int) -> float:
+        return 1.0 - self.busy[rank] / self.makespan if self.makespan else 0.0
+
+
+@dataclass(frozen=True)
+class SplitSearch:
+    best: tuple[Prediction, ...]
+    """The best splits found, shortest step first (up to ``keep``)."""
+    total: int
+    """Contiguous splits of the blocks into the stages (each stage at least one block)."""
+    evaluated: int
+    exact: bool
+    lower_bound: float
+    """No split's makespan is below this (equal to the best one's when exact)."""
+    refused_for_memory: int
+    """Splits evaluated and dropped because a rank would exceed the memory limit."""
+
+
+class Simulator:
+    """Replays one schedule with the costs of any split of the blocks into its stages."""
+
+    def __init__(self, costs: PartCosts, program: Program):
+        self.costs, self.program = costs, program
+        self.stage_ids = [sorted({program.actions[a][1] for a in ids}) for ids in program.order]
+        # Actions of each kind per stage: a rank's busy time is sum(count x cost).
+        self.counts = [[0] * program.num_stages for _ in KINDS]
+        for kind, stage, _ in program.actions:
+            self.counts[KINDS.index(kind)][stage] += 1
+
+    def stage_load(self, table: list[list[float]], stage: int) -> float:
+        return sum(self.counts[k][stage] * table[k][stage] for k in range(len(KINDS)))
+
+    def predict(self, counts: tuple[int, ...], spans: list | None = None) -> Prediction:
+        makespan, busy = replay(self.program, self.costs.stage_table(counts), self.costs.send, spans)
+        return Prediction(tuple(counts), makespan, tuple(busy))
+
+
+def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | None = None,
+                  budget: int | None = None, keep: int = 4, seed: tuple[int, ...] | None = None,
+                  enumerate_up_to: int | None = None) -> SplitSearch:
+    """The ``keep`` best contiguous splits of ``sim``'s blocks into its stages by simulated makespan.
+
+    ``fits(counts)``: whether every rank of that split fits its memory (None: no limit). ``budget``:
+    most splits to replay (default: REPLAY_BUDGET action-replays). ``seed``: a split to start from.
+    ``enumerate_up_to``: list every split when there are at most this many (default: the budget)."""
+    n, stages = sim.costs.num_blocks, sim.program.num_stages
+    if budget is None:
+        budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions), 1))
+    total = math.comb(n - 1, stages - 1)
+    kept: list[tuple[float, tuple[int, ...], Prediction]] = []  # max-heap by makespan (negated)
+    seen: set[tuple[int, ...]] = set()
+    state = {"evaluated": 0, "refused": 0}
+
+    def threshold() -> float:
+        return -kept[0][0] if len(kept) == keep else math.inf
+
+    def evaluate(counts: tuple[int, ...]) -> Prediction | None:
+        if counts in seen:
+            return None
+        seen.add(counts)
+        state["evaluated"] += 1
+        if fits is not None and not fits(counts):
+            state["refused"] += 1
+            return None
+        pred = sim.predict(counts)
+        if pred.makespan < threshold():
+            heapq.heappush(kept, (-pred.makespan, counts, pred))
+            if len(kept) > keep:
+                heapq.heappop(kept)
+        return pred
+
+    if total <= (budget if enumerate_up_to is None else enumerate_up_to):
+        for cuts in itertools.combinations(range(1, n), stages - 1):
+            bounds = (0, *cuts, n)
+            evaluate(tuple(b - a for a, b in zip(bounds, bounds[1:])))
+        return _result(kept, total, state, exact=True, lower=None)
+
+    # Incumbents first (sharp pruning): the given seed, the even split and the rank-balanced one,
+    # each walked downhill.
+    even = tuple(n // stages + (1 if s < n % stages else 0) for s in range(stages))
+    for start in dict.fromkeys(s for s in (seed, _rank_balanced(sim), even) if s is not None):
+        _descend(start, evaluate, budget, state)
+    lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, state)
+    if lower is not None:  # no rank works less than the average rank: the step is at least that long
+        lower = max(lower, sum(sim.stage_load(sim.costs.stage_table(even), s) for s in range(stages)) / len(sim.stage_ids))
+    return _result(kept, total, state, exact=lower is None, lower=lower)
+
+
+def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
+    """Cuts that give every rank the same work: each stage aims at its rank's share, less what the
+    rank's first or last stage carries (embeddings, output), spread over the rank's stages."""
+    n, stages = sim.costs.num_blocks, sim.program.num_stages
+    one = sim.costs.stage_table([1] * stages) if n >= stages else None
+    if one is None:
+        return tuple([1] * stages)
+    per_block = [sim.stage_load(sim.costs.stage_table([1] * stages), 1 if stages > 2 else 0)] * n
+    # Block loads from single-block stages in the middle; pre/post from the end stages' excess.
+    table = sim.costs.stage_table([1] * (stages - 1) + [n - stages + 1]) if stages > 1 else one
+    extra_first = sim.stage_load(one, 0) - per_block[0]
+    extra_last = sim.stage_load(table, stages - 1) - per_block[0] * (n - stages + 1)
+    total = per_block[0] * n + extra_first + extra_last
+    owner = {s: r for r, ids in enumerate(sim.stage_ids) for s in ids}
+    share = total / len(sim.stage_ids)
+    target = []
+    for s in range(stages):
+        r = owner[s]
+        extra = (extra_first if 0 in sim.stage_ids[r] else 0.0) + (extra_last if stages - 1 in sim.stage_ids[r] else 0.0)
+        target.append(max(share - extra, 0.0) / len(sim.stage_ids[r]))
+    weights = [t / per_block[0] for t in target]  # blocks each stage should get
+    scale = n / sum(weights) if sum(weights) else 1.0
+    counts, placed, acc = [], 0, 0.0
+    for s in range(stages):
+        acc += weights[s] * scale
+        c = max(1, round(acc) - placed)
+        c = min(c, n - placed - (stages - 1 - s))
+        counts.append(c)
+        placed += c
+    counts[-1] += n - placed
+    return tuple(counts)
+
+
+def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict) -> None:
+    """Move one cut by one block while that shortens the step (first improvement)."""
+    best = evaluate(counts)
+    current = counts
+    improved = True
+    while improved and state["evaluated"] < budget:
+        improved = False
+        for s in range(len(current) - 1):
+            for d in (1, -1):
+                c = list(current)
+                c[s] -= d
+                c[s + 1] += d
+                if min(c) < 1:
+                    continue
+                pred = evaluate(tuple(c))
+                if pred is not None and (best is None or pred.makespan < best.makespan):
+                    best, current, improved = pred, tuple(c), True
+                    break
+            if improved or state["evaluated"] >= budget:
+                break
+
+
+def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, budget: int,
+                      state: dict) -> float | None:
+    """Visit the splits whose busiest rank stays under the current threshold; None when all were seen,
+    else the smallest rank-load bound among the parts left unexplored when the budget ran out."""
+    owner = {s: r for r, ids in enumerate(sim.stage_ids) for s in ids}
+    unexplored = [math.inf]
+    loads = [0.0] * len(sim.stage_ids)
+
+    def visit(prefix: list[int], used: int) -> None:
+        bound = max(loads)
+        if bound >= threshold():
+            return
+        if state["evaluated"] >= budget:
+            unexplored[0] = min(unexplored[0], bound)
+            return
+        s = len(prefix)
+        if s == stages - 1:
+            counts = (*prefix, n - used)
+            if max(loads[owner[s]] + sim.stage_load(sim.costs.stage_table(counts), s), bound) < threshold():
+                evaluate(counts)
+            return
+        room = n - used - (stages - 1 - s)
+        ideal = (n - used) / (stages - s)
+        for c in sorted(range(1, room + 1), key=lambda c: abs(c - ideal)):
+            # This stage's load, priced as if it were the last (post counted) only when it is.
+            table = sim.costs.stage_table((*prefix, c, *([1] * (stages - s - 1))))
+            add = sim.stage_load(table, s)
+            loads[owner[s]] += add
+            visit([*prefix, c], used + c)
+            loads[owner[s]] -= add
+
+    visit([], 0)
+    return None if unexplored[0] == math.inf else unexplored[0]
+
+
+def _result(kept, total: int, state: dict, *, exact: bool, lower: float | None) -> SplitSearch:
+    best = tuple(p for _, _, p in sorted(kept, key=lambda k: (-k[0], k[1])))
+    if best:
+        lower = best[0].makespan if lower is None else min(lower, best[0].makespan)
+    return SplitSearch(best, total, state["evaluated"], exact, lower if lower is not None else math.inf,
+                       state["refused"])
