@@ -184,6 +184,10 @@ def predicted_step(plan: JobPlan) -> list[str]:
         lines.append(f"Split from {why}: predicted {100 * slower:.1f}% slower than the planner's choice"
                      f" {_points(best.counts, layers)} ({_amount(best.makespan, unit)}; {how})"
                      if slower > 1e-9 else f"Split from {why}: as fast as the planner's choice ({how})")
+    if costs.measured_counts and len(costs.measured_counts) == pipeline.num_stages:
+        run = sim.predict(costs.measured_counts)
+        lines.append(f"Measured run's split {_points(run.counts, layers)}: {_amount(run.makespan, unit)} predicted with its"
+                     f" own measurements; this plan's split {100 * (1 - chosen.makespan / run.makespan):.1f}% shorter")
     others = [c for c in search.best if c.counts != pipeline.counts][:3]
     if others:
         lines.append("Next best: " + "; ".join(f"{_points(c.counts, layers)} {_amount(c.makespan, unit)}"

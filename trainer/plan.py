@@ -334,8 +334,9 @@ def cost_identity(config: JobConfig, args: Any, tp: int, cp: int) -> dict:
 
 
 def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims,
-                   device: str) -> PartCosts:
-    """The planner's per-part costs: measured ones from ``pipeline_parallel_cost_file``, else the FLOP model."""
+                   device: str, *, relative: bool = False) -> PartCosts:
+    """The planner's per-part costs: measured ones from ``pipeline_parallel_cost_file``, else the FLOP model
+    (``relative``: always the FLOP model in relative units, what measurements are fitted against)."""
     p, t, ac = config.parallelism, config.training, config.activation_checkpoint
     tokens = p.pipeline_parallel_microbatch_size * t.seq_len // dims.cp
     dtype = compute_dtype(t.mixed_precision_param, device)
@@ -346,15 +347,17 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
     flops = part_flops(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers, seq_len=t.seq_len)
     link = dict(send_bytes=send_bytes, link_bytes_per_second=p.pipeline_parallel_link_gbytes_per_second * 1e9,
                 link_latency=p.pipeline_parallel_link_latency_us * 1e-6)
-    model = flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute,
-                       flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, **link)
-    if not p.pipeline_parallel_cost_file:
-        return model
-    measured = read_cost_file(p.pipeline_parallel_cost_file, cost_identity(config, args, dims.tp, dims.cp))
     units = flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute, flops_per_second=None, **link)
+    if relative:
+        return units
+    if not p.pipeline_parallel_cost_file:
+        return flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute,
+                          flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, **link)
+    measured = read_cost_file(p.pipeline_parallel_cost_file, cost_identity(config, args, dims.tp, dims.cp))
     send = link["link_latency"] + send_bytes / link["link_bytes_per_second"]
     where = measured["measured"]
-    return calibrated_costs(units, measured["fit"], send=send,
+    counts = where.get("counts")
+    return calibrated_costs(units, measured["fit"], send=send, measured_counts=tuple(counts) if counts else None,
                             source=f"measured ({p.pipeline_parallel_cost_file}: {where.get('schedule')} on"
                                    f" {where.get('device')}, split {where.get('split_points')})")
 

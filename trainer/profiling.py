@@ -99,12 +99,14 @@ class PipelineTimeline:
     """Records this rank's pipeline actions for the chosen steps and merges every rank's on one rank."""
 
     def __init__(self, steps: list[int], folder: Path, *, rank: int, pp_rank: int, writer: bool,
-                 schedule: tuple[str, int, int, int] | None = None, sync: bool = False):
+                 schedule: tuple[str, int, int, int] | None = None, sync: bool = False, calibration=None):
         """``schedule`` = (name, pp, microbatches, stages per rank): the simulated timeline drawn next
         to the measured one (None for a CSV schedule: measured only). ``sync`` (CUDA): wait for the
         device around each timed action, so the times are when the kernels ran, not when they were
-        queued (only in timed steps)."""
+        queued (only in timed steps). ``calibration`` (a ``pipeline_calibration.Calibration``, on the writer):
+        compares each timed step with the plan's prediction and writes the measured costs."""
         self.steps, self.folder = set(steps), Path(folder)
+        self.calibration = calibration
         self.rank, self.pp_rank, self.writer = rank, pp_rank, writer
         self.schedule, self.sync = schedule, sync
         self.events: list[dict] | None = None  # recording when not None
@@ -178,9 +180,19 @@ class PipelineTimeline:
                                 f" ({trace['otherData']['span_us'] / model_us:.3f}x)")
         (self.folder / f"pipeline_timeline_step{step}.json").write_text(json.dumps(trace))
         (self.folder / f"pipeline_timeline_step{step}.svg").write_text(timeline_svg(trace, simulated, step))
-        logger.info("pipeline timeline of step %d: %s; measured bubble %s%s", step,
-                    self.folder / f"pipeline_timeline_step{step}.json",
+        logger.info("pipeline timeline of step %d: %s (picture %s); measured bubble %s%s", step,
+                    self.folder / f"pipeline_timeline_step{step}.json", self.folder / f"pipeline_timeline_step{step}.svg",
                     ", ".join(f"pp rank {p} {100 * b:.1f}%" for p, b in sorted(bubbles.items())), versus_model)
+        if self.calibration is not None:
+            # the first rank of each pipeline rank stands for its TP/FSDP peers, as in the bubble
+            first = {}
+            for r in ranks:
+                first.setdefault(r["pp_rank"], r)
+            own = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9) for r in first.values() for e in r["events"]]
+            try:
+                logger.info("%s", self.calibration.add(step, own, bubbles))
+            except Exception as e:  # noqa: BLE001 (a diagnostic must not end the run)
+                logger.warning("pipeline costs of step %d not calibrated: %s", step, e)
         return bubbles
 
 

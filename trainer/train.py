@@ -229,10 +229,11 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         pipeline = plan.pipeline
         simulated = None if pipeline.schedule == "csv" else (pipeline.schedule, pipeline.pp, plan.n_microbatches,
                                                              pipeline.stages_per_rank)
-        timeline = PipelineTimeline(config.profiling.pipeline_timeline_steps,
-                                    Path(config.job.dump_folder) / config.profiling.save_traces_folder,
-                                    rank=rank, pp_rank=pp_rank, writer=rank == plan.reporting_rank,
-                                    schedule=simulated, sync=device.type == "cuda")
+        folder = Path(config.job.dump_folder) / config.profiling.save_traces_folder
+        writer = rank == plan.reporting_rank
+        timeline = PipelineTimeline(config.profiling.pipeline_timeline_steps, folder, rank=rank, pp_rank=pp_rank,
+                                    writer=writer, schedule=simulated, sync=device.type == "cuda",
+                                    calibration=build_calibration(plan, device, folder) if writer else None)
         timeline.attach(schedule_stages(parts.schedule))
     profiler = None
     if config.profiling.enable_profiling or config.profiling.enable_memory_snapshot:
@@ -240,6 +241,28 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
                                 rank=dist.get_rank() if dist.is_initialized() else 0, device=device)
     return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
                    step_context, timeline, profiler)
+
+
+def build_calibration(plan: JobPlan, device: torch.device, folder: Path):
+    """What a timed pipeline run compares its measurements with, and how it writes its cost file."""
+    from trainer.parallel.pipeline_calibration import Calibration
+    from trainer.parallel.schedule_sim import program_for
+    from trainer.plan import cost_identity, pipeline_costs
+
+    p, pipeline = plan.config.parallelism, plan.pipeline
+    whole = plan.build_model()
+    units = pipeline_costs(plan.config, plan.spec, plan.model_args, whole, plan.dims, device.type, relative=True)
+    tokens = p.pipeline_parallel_microbatch_size * plan.tokens_per_rank
+    send_bytes = tokens * (getattr(plan.model_args, "dim", 0) or 0) * plan.compute_dtype(device).itemsize
+    return Calibration(
+        units=units, plan_costs=plan.pipeline_costs, counts=pipeline.counts,
+        program=program_for(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank,
+                            p.pipeline_parallel_schedule_csv),
+        send=p.pipeline_parallel_link_latency_us * 1e-6 + send_bytes / (p.pipeline_parallel_link_gbytes_per_second * 1e9),
+        path=folder / "pipeline_costs.json", identity=cost_identity(plan.config, plan.model_args, plan.dims.tp, plan.dims.cp),
+        measured={"schedule": pipeline.schedule, "pp": pipeline.pp, "device": device.type,
+                  "split_points": pipeline.split_points(plan.spec.layers_attr)},
+        layers_attr=plan.spec.layers_attr)
 
 
 def check_same_data(meshes: Meshes, fingerprint: str) -> None:

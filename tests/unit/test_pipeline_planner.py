@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import load_plan
 from trainer.dry_run import describe_plan
 from trainer.errors import ConfigError
-from trainer.parallel.pipeline_cost import KINDS, PartCosts, fit_costs, flop_costs
+from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, flop_costs
 from trainer.parallel.pipeline_planner import Simulator, search_splits
 from trainer.parallel.schedule_sim import program_for
 from trainer.plan import split_memory
@@ -148,33 +148,29 @@ def test_flop_model_prices_attention_and_checkpointing():
 
 @pytest.mark.parametrize("counts", [(1, 2, 2, 1), (2, 1, 1, 2)])
 def test_calibration_recovers_the_costs_that_made_the_measurements(counts):
-    """Durations made from known seconds (overhead + per unit x block units + pre + post, per kind), with
-    noise on repeated samples: the fit recovers them; two stages (underdetermined) are reproduced exactly."""
+    """Durations made from known seconds per kind (overhead + per unit x block units + pre + post; the first
+    stage's whole backward in W, as torch runs it), with noise around the median: the calibrated costs
+    price this split and every other one as the known seconds do."""
     units = flop_costs([(0.0, 0.0)] + [(3.0, 1.0), (2.0, 1.0), (4.0, 1.0), (3.0, 1.0), (2.0, 1.0), (3.0, 1.0)]
                        + [(5.0, 0.0)], tokens=1, tp=1, recompute=[False] * 6, flops_per_second=None,
                        send_bytes=0, link_bytes_per_second=1, link_latency=0)
-    truth = {"F": (0.002, 0.010, 0.001, 0.007), "I": (0.003, 0.012, 0.0005, 0.006), "W": (0.001, 0.008, 0.002, 0.005)}
-    starts = [1 + sum(counts[:s]) for s in range(4)]
-    actions = []
-    for kind, (over, per_unit, pre, post) in truth.items():
-        for s in range(4):
-            t = over + per_unit * sum(units.parts[kind][starts[s]:starts[s] + counts[s]]) + pre * (s == 0) + post * (s == 3)
-            actions += [(kind, s, t * f) for f in (0.97, 1.0, 1.05)]  # the median is the noiseless value
-    fit = fit_costs(units, list(counts), actions)
-    for kind, (over, per_unit, pre, post) in truth.items():
-        got = fit[kind]
-        modelled = [got["overhead_s"] + got["per_unit_s"] * sum(units.parts[kind][starts[s]:starts[s] + counts[s]])
-                    + got["pre_s"] * (s == 0) + got["post_s"] * (s == 3) for s in range(4)]
-        measured = [over + per_unit * sum(units.parts[kind][starts[s]:starts[s] + counts[s]]) + pre * (s == 0)
-                    + post * (s == 3) for s in range(4)]
-        assert modelled == pytest.approx(measured, rel=2e-3)
+    truth = {"F": (0.002, 0.010, 0.001, 0.007), "I": (0.003, 0.012, 0.0, 0.006), "W": (0.001, 0.008, 0.002, 0.005)}
+    parts = {k: (pre, *(per_unit * u for u in units.parts[k][1:-1]), post) for k, (_, per_unit, pre, post) in truth.items()}
+    parts["B"] = tuple(i + w for i, w in zip(parts["I"], parts["W"]))
+    known = PartCosts(parts, {k: truth[k][0] for k in "FIW"} | {"B": truth["I"][0] + truth["W"][0]}, 0.0, "s", "known")
+    table = known.stage_table(counts)
+    actions = [(k, s, table[KINDS.index(k)][s] * f) for k in "FIW" for s in range(4) for f in (0.97, 1.0, 1.05)]
+    fitted = calibrated_costs(units, fit_costs(units, list(counts), actions), send=0.0, source="fit")
+    for other in (counts, (3, 1, 1, 1), (1, 1, 1, 3)):
+        want, got = known.stage_table(other), fitted.stage_table(other)
+        for k in "FIW":
+            assert got[KINDS.index(k)] == pytest.approx(want[KINDS.index(k)], rel=2e-3), (other, k)
+    # Two stages (pre + blocks, blocks + post) cannot separate four numbers: the fit still reproduces them.
     two = fit_costs(units, [3, 3], [(k, s, 0.05 + 0.02 * s + 0.01 * KINDS.index(k)) for k in "FB" for s in (0, 1)])
-    for kind in "FB":
-        got = two[kind]
-        for s, c in enumerate((3, 3)):
-            value = (got["overhead_s"] + got["per_unit_s"] * sum(units.parts[kind][1 + 3 * s:4 + 3 * s])
-                     + got["pre_s"] * (s == 0) + got["post_s"] * (s == 1))
-            assert value == pytest.approx(0.05 + 0.02 * s + 0.01 * KINDS.index(kind), rel=1e-3)
+    table = calibrated_costs(units, two, send=0.0, source="fit").stage_table((3, 3))
+    for k in "FB":
+        assert table[KINDS.index(k)] == pytest.approx([0.05 + 0.01 * KINDS.index(k), 0.07 + 0.01 * KINDS.index(k)],
+                                                      rel=1e-3)
 
 
 def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
@@ -192,3 +188,28 @@ def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
     other.write_text(json.dumps({"version": 1, "job": identity, "measured": {}, "fit": {}}))
     with pytest.raises(ConfigError, match=r"measured with seq_len 512, this job has 256 \(\[training\] seq_len\)"):
         load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(other)])
+
+
+def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
+    """The calibration of a timed step (actions made from known per-stage seconds) writes the cost file; a
+    dry run with it predicts in seconds, and the measured split's step equals the replay of those seconds."""
+    import torch
+
+    from trainer.train import build_calibration
+
+    plan = load_plan(PP2_ZBV)
+    calibration = build_calibration(plan, torch.device("cpu"), tmp_path)
+    assert plan.pipeline.counts == (2, 1, 2, 1)
+    # ms per action: F 1 + 4 per block (+3 output); I 0.5 + 5 per block (+2 output), none on stage 0;
+    # W 0.5 + 3 per block (+2 output), and stage 0's W holds its blocks' I too (torch's split backward)
+    seconds = {"F": [9e-3, 5e-3, 9e-3, 8e-3], "I": [0.5e-3, 5.5e-3, 10.5e-3, 7.5e-3], "W": [16.5e-3, 3.5e-3, 6.5e-3, 5.5e-3]}
+    actions = [(k, s, v) for k, row in seconds.items() for s, v in enumerate(row) for _ in range(8)]
+    text = calibration.add(5, actions, {0: 0.1, 1: 0.2})
+    assert "Bubble per pp rank measured 10.0%/20.0%" in text and str(tmp_path / "pipeline_costs.json") in text
+    measured = load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(tmp_path / "pipeline_costs.json")])
+    costs = measured.pipeline_costs
+    assert costs.unit == "s" and costs.measured_counts == plan.pipeline.counts
+    table = costs.stage_table(plan.pipeline.counts)
+    for k, row in seconds.items():
+        assert table[KINDS.index(k)] == pytest.approx(row, rel=0.01), k
+    assert "Measured run's split" in describe_plan(measured)

@@ -51,6 +51,8 @@ class PartCosts:
     """"s" (seconds) or "units" (1 = the mean block's forward of one microbatch)."""
     source: str
     """Where the numbers come from, for the dry run."""
+    measured_counts: tuple[int, ...] | None = None
+    """Blocks per stage of the run the costs were measured on (measured costs only)."""
 
     @property
     def num_blocks(self) -> int:
@@ -71,6 +73,11 @@ class PartCosts:
                 row.append(over + math.fsum(values[a:b]) + (values[0] if s == 0 else 0.0)
                            + (values[-1] if s == last else 0.0))
             table.append(row)
+        # torch's split backward skips the input-gradient pass of the first stage (its inputs are token
+        # ids) and runs that stage's whole backward in the weight-gradient pass.
+        i, w = KINDS.index("I"), KINDS.index("W")
+        table[w][0] += table[i][0] - self.overhead["I"]
+        table[i][0] = self.overhead["I"]
         return table
 
 
@@ -138,7 +145,8 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
     last = len(counts) - 1
     starts = [1 + sum(counts[:s]) for s in range(len(counts))]
     for kind in KINDS:
-        stages = sorted(s for k, s in samples if k == kind)
+        # The first stage's I and W do not follow the others (its whole backward runs in W): fitted below.
+        stages = sorted(s for k, s in samples if k == kind and not (kind in "IW" and s == 0))
         if not stages:
             continue
         parts = model_costs.parts[kind]
@@ -157,6 +165,12 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
         overhead, per_unit, pre, post = _nonnegative_lstsq(a, b)
         fit[kind] = {"overhead_s": overhead, "per_unit_s": per_unit, "pre_s": pre, "post_s": post,
                      "stage_median_s": dict(zip(map(str, stages), y, strict=True))}
+    if "I" in fit and "W" in fit and ("W", 0) in samples:
+        # What stage 0's measured W holds beyond its blocks' input and weight gradients is the embedding's.
+        units_i, units_w = (math.fsum(model_costs.parts[k][1:1 + counts[0]]) for k in "IW")
+        blocks = fit["I"]["per_unit_s"] * units_i + fit["W"]["per_unit_s"] * units_w + fit["W"]["overhead_s"]
+        fit["I"]["pre_s"] = 0.0
+        fit["W"]["pre_s"] = max(statistics.median(samples[("W", 0)]) - blocks, 0.0)
     return fit
 
 
@@ -176,7 +190,8 @@ def _nonnegative_lstsq(a: list[list[float]], b: list[float]) -> list[float]:
         free = [j for j in free if j not in negative]
 
 
-def calibrated_costs(model_costs: PartCosts, fit: dict, *, send: float, source: str) -> PartCosts:
+def calibrated_costs(model_costs: PartCosts, fit: dict, *, send: float, source: str,
+                     measured_counts: tuple[int, ...] | None = None) -> PartCosts:
     """PartCosts in seconds from ``fit_costs``'s result; kinds the run did not measure are derived:
     B = I + W, or I and W as the FLOP model divides B."""
     parts: dict[str, tuple[float, ...]] = {}
@@ -195,7 +210,7 @@ def calibrated_costs(model_costs: PartCosts, fit: dict, *, send: float, source: 
             overhead[kind] = overhead["B"] / 2
     if "F" not in parts or "B" not in parts:
         raise ConfigError(f"{COST_FILE_KEY}: the measured run has no forward and backward actions")
-    return PartCosts(parts, overhead, send, "s", source)
+    return PartCosts(parts, overhead, send, "s", source, measured_counts)
 
 
 def write_cost_file(path: Path, *, identity: dict, measured: dict, fit: dict) -> None:

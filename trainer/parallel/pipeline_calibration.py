@@ -1,0 +1,78 @@
+"""A timed pipeline run checks the plan's prediction and calibrates the next one.
+
+For each step of ``[profiling] pipeline_timeline_steps`` the reporting rank hands the measured
+actions here: it logs measured against predicted time per pipeline rank and action kind (the
+prediction scaled to the measured total when the plan is in relative units), the bubble per rank
+measured, predicted before calibration and predicted after it, then fits seconds per action kind
+to every step recorded so far (``pipeline_cost.fit_costs``), writes them to
+``<save_traces_folder>/pipeline_costs.json`` and says which split the planner would choose with
+them and what it would gain. ``--parallelism.pipeline_parallel_cost_file`` reads that file back.
+"""
+
+from pathlib import Path
+
+from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, write_cost_file
+from trainer.parallel.pipeline_planner import Prediction, Simulator, search_splits
+from trainer.parallel.schedule_sim import Program
+
+
+class Calibration:
+    def __init__(self, *, units: PartCosts, plan_costs: PartCosts, counts: tuple[int, ...], program: Program,
+                 send: float, path: Path, identity: dict, measured: dict, layers_attr: str):
+        """``units``: the FLOP model in relative units (what measurements are fitted against); ``plan_costs``:
+        what the plan predicted with; ``send``: one transfer's seconds for the calibrated prediction;
+        ``measured``: what the file records about the run (schedule, pp, split points, device)."""
+        self.units, self.plan_costs, self.counts, self.program = units, plan_costs, tuple(counts), program
+        self.send, self.path, self.identity, self.meta = send, Path(path), identity, measured
+        self.layers_attr = layers_attr
+        self.actions: list[tuple[str, int, float]] = []
+        self.steps: list[int] = []
+        self.owner = {s: r for r, ids in enumerate(Simulator(units, program).stage_ids) for s in ids}
+
+    def add(self, step: int, actions: list[tuple[str, int, float]], measured_bubble: dict[int, float]) -> str:
+        """Record one step's (kind, stage, seconds) actions; returns the log text."""
+        self.actions += actions
+        self.steps.append(step)
+        ranks = range(self.program.num_ranks)
+        measured = {(r, k): 0.0 for r in ranks for k in KINDS}
+        for kind, stage, seconds in actions:
+            measured[(self.owner[stage], kind)] += seconds
+        spans: list = []
+        before = Simulator(self.plan_costs, self.program).predict(self.counts, spans)
+        predicted = {(r, k): 0.0 for r in ranks for k in KINDS}
+        for r, kind, _, _, start, end in spans:
+            predicted[(r, kind)] += end - start
+        scale = 1.0
+        if self.plan_costs.unit != "s":  # relative units: compare shares of the measured total
+            scale = sum(measured.values()) / max(sum(predicted.values()), 1e-30)
+        per_rank = "; ".join(
+            f"pp rank {r} " + ", ".join(f"{k} {1e3 * measured[(r, k)]:.1f} ms (predicted {1e3 * scale * predicted[(r, k)]:.1f})"
+                                        for k in KINDS if measured[(r, k)] or predicted[(r, k)])
+            for r in ranks)
+        fit = fit_costs(self.units, list(self.counts), self.actions)
+        costs = calibrated_costs(self.units, fit, send=self.send, source=f"measured steps {self.steps}")
+        sim = Simulator(costs, self.program)
+        after = sim.predict(self.counts)
+        best = search_splits(sim).best[0]
+        write_cost_file(self.path, identity=self.identity, fit=fit,
+                        measured=self.meta | {"steps": self.steps, "counts": list(self.counts)})
+        gain = 1 - best.makespan / after.makespan
+        choice = ("the planner keeps this split with the measured costs" if best.counts == self.counts else
+                  f"with the measured costs the planner would choose {self._points(best)}: predicted step"
+                  f" {1e3 * best.makespan:.1f} ms against {1e3 * after.makespan:.1f} ms for this split"
+                  f" ({100 * gain:.1f}% shorter)")
+        return (f"pipeline costs of step {step}: {per_rank}. Bubble per pp rank measured "
+                f"{_bubbles(measured_bubble)}, predicted {_bubbles(_of(before))} before calibration,"
+                f" {_bubbles(_of(after))} after; {choice}; measured costs written to {self.path}")
+
+    def _points(self, p: Prediction) -> str:
+        starts = [sum(p.counts[:i]) for i in range(1, len(p.counts))]
+        return "[" + ", ".join(f"{self.layers_attr}.{s}" for s in starts) + "]"
+
+
+def _of(p: Prediction) -> dict[int, float]:
+    return {r: p.bubble(r) for r in range(len(p.busy))}
+
+
+def _bubbles(b: dict[int, float]) -> str:
+    return "/".join(f"{100 * b[r]:.1f}%" for r in sorted(b))
