@@ -1,0 +1,169 @@
+"""The pipeline planner against measurement: the step of every contiguous split, PP2 on CPU.
+
+    python benchmarks/bench_pipeline_plan.py                     # both models, four schedules
+    python benchmarks/bench_pipeline_plan.py --models debug --schedules ZBVZeroBubble
+
+For each model (the 6-block debug model; a 12-block Llama with a 32k vocabulary, whose output
+projection costs about ten blocks) and schedule (1F1B, Interleaved1F1B, ZBVZeroBubble,
+DualPipeV at pp 2), one torchrun launch trains every contiguous split the schedule allows (where
+there are more than --max-splits, the best 10 by the planner's prediction plus 10 random ones),
+each for --steps steps with the pipeline timeline on the steps after --warmup. The planner's own
+split runs first; its timeline's measured costs (pipeline_costs.json) calibrate the predictions of
+every other split. Reported per model and schedule: the best measured split against the planner's
+(the planner's step / the best step), the old stage-balanced split (split_mode flops) against the
+planner's, and the predicted bubble per rank against the measured one before and after calibration
+(mean and worst absolute difference in points over the splits measured).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer.parallel.pipeline_planner import Simulator  # noqa: E402
+from trainer.parallel.schedule_sim import program_for  # noqa: E402
+
+MODELS = {
+    "debug": [],
+    "12x32k": ["--model.overrides.n_layers", "12", "--model.overrides.vocab_size", "32768"],
+}
+COMMON = ["--training.steps", "{steps}", "--lr_scheduler.warmup_steps", "1", "--validation.no-enable",
+          "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000", "--parallelism.pipeline_parallel_degree", "2"]
+SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
+
+WORKER = '''
+import json, os, sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from tests.distributed.worker import forget_meshes, in_namespace
+from trainer.config import load_config
+from trainer.train import main
+for i, case in enumerate(json.loads(Path(sys.argv[1]).read_text())):
+    in_namespace(f"case{{i}}")
+    r = main(load_config(overrides=case["args"]))
+    if os.environ.get("RANK", "0") == "0":
+        Path(case["out"]).write_text(json.dumps({{"step_times": r.step_times}}))
+    forget_meshes()
+'''
+
+
+def load(args: list[str]):
+    from tests.conftest import load_plan
+
+    return load_plan(args, 2)
+
+
+def splits(n: int, stages: int) -> list[tuple[int, ...]]:
+    return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, n))) for cuts in itertools.combinations(range(1, n), stages - 1)]
+
+
+def points(counts: tuple[int, ...]) -> str:
+    return ",".join(f"layers.{sum(counts[:i])}" for i in range(1, len(counts)))
+
+
+def predicted_bubbles(sim: Simulator, counts: tuple[int, ...]) -> list[float]:
+    p = sim.predict(counts)
+    return [p.bubble(r) for r in range(len(p.busy))]
+
+
+def measured_bubbles(dump: Path, steps: list[int]) -> list[float]:
+    traces = [json.loads((dump / "profile_traces" / f"pipeline_timeline_step{s}.json").read_text())["otherData"]
+              for s in steps]
+    return [statistics.median(t["bubble"][str(r)] for t in traces) for r in range(2)]
+
+
+def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) -> dict:
+    base = MODELS[model] + [a.format(steps=args.steps) for a in COMMON] + [
+        "--parallelism.pipeline_parallel_schedule", schedule]
+    plan = load(base)
+    old = load(base + ["--parallelism.pipeline_parallel_split_mode", "flops"])
+    p = plan.pipeline
+    sim = Simulator(plan.pipeline_costs, program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank))
+    every = splits(sum(p.counts), p.num_stages)
+    if len(every) > args.max_splits:
+        ranked = sorted(every, key=lambda c: sim.predict(c).makespan)
+        rest = ranked[10:]
+        random.Random(0).shuffle(rest)
+        chosen = ranked[:10] + rest[:10]
+    else:
+        chosen = every
+    order = [p.counts] + [c for c in dict.fromkeys([old.pipeline.counts, *chosen]) if c != p.counts]
+    timed = list(range(args.warmup + 1, args.steps + 1))
+    cases = []
+    for i, counts in enumerate(order):
+        dump = tmp / f"{model}_{schedule}_{i}"
+        cases.append({"out": str(dump) + ".json", "counts": counts, "dump": str(dump), "args": base + [
+            "--parallelism.pipeline_parallel_split_points", points(counts), "--job.dump_folder", str(dump),
+            "--profiling.pipeline_timeline_steps", ",".join(map(str, timed))]})
+    spec = tmp / f"{model}_{schedule}.json"
+    spec.write_text(json.dumps(cases))
+    worker = tmp / "worker.py"
+    worker.write_text(WORKER.format(repo=str(REPO)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(worker), str(spec)], cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    cost_file = Path(cases[0]["dump"]) / "profile_traces" / "pipeline_costs.json"
+    calibrated = load(base + ["--parallelism.pipeline_parallel_cost_file", str(cost_file)])
+    csim = Simulator(calibrated.pipeline_costs, program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank))
+    rows = []
+    for case in cases:
+        counts = tuple(case["counts"])
+        step = statistics.median(json.loads(Path(case["out"]).read_text())["step_times"][args.warmup:])
+        rows.append({"counts": counts, "step": step, "measured": measured_bubbles(Path(case["dump"]), timed),
+                     "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
+                     "predicted_s": csim.predict(counts).makespan})
+    best = min(rows, key=lambda r: r["step"])
+    planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
+    err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)] for k in ("before", "after")}
+    calibrated_pick = min(rows, key=lambda r: r["predicted_s"])
+    return {"model": model, "schedule": schedule, "splits": len(every), "measured": len(rows),
+            "planner": points(planner["counts"]), "planner_step": planner["step"],
+            "best": points(best["counts"]), "best_step": best["step"],
+            "flops": points(flops["counts"]), "flops_step": flops["step"],
+            "calibrated_pick": points(calibrated_pick["counts"]), "calibrated_pick_step": calibrated_pick["step"],
+            "bubble_err_before": (statistics.mean(err["before"]), max(err["before"])),
+            "bubble_err_after": (statistics.mean(err["after"]), max(err["after"])), "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--max-splits", type=int, default=20)
+    parser.add_argument("--json", type=Path, help="also write every row here")
+    args = parser.parse_args()
+    results = []
+    print("| model | schedule | splits (measured) | planner's split: step | best measured split: step | planner/best"
+          " | old flops split: step | old/planner | calibrated pick: step | bubble error before calibration, mean/worst"
+          " (points) | after |")
+    print("|---|---|---|---|---|---:|---|---:|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            for schedule in args.schedules:
+                r = run_group(model, schedule, args, Path(tmp))
+                results.append(r)
+                print(f"| {model} | {schedule} | {r['splits']} ({r['measured']}) | {r['planner']}: {r['planner_step']:.3f} s"
+                      f" | {r['best']}: {r['best_step']:.3f} s | {r['planner_step'] / r['best_step']:.3f}"
+                      f" | {r['flops']}: {r['flops_step']:.3f} s | {r['flops_step'] / r['planner_step']:.3f}"
+                      f" | {r['calibrated_pick']}: {r['calibrated_pick_step']:.3f} s"
+                      f" | {r['bubble_err_before'][0]:.1f} / {r['bubble_err_before'][1]:.1f}"
+                      f" | {r['bubble_err_after'][0]:.1f} / {r['bubble_err_after'][1]:.1f} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=list))
+
+
+if __name__ == "__main__":
+    main()
