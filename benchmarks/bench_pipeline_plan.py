@@ -7,8 +7,8 @@ For each model (the 6-block debug model; a 12-block Llama with a 32k vocabulary,
 projection costs about ten blocks) and schedule (1F1B, Interleaved1F1B, ZBVZeroBubble,
 DualPipeV at pp 2), one torchrun launch trains every contiguous split the schedule allows (where
 there are more than --max-splits, the best 10 by the planner's prediction plus 10 random ones),
-each for --steps steps with the pipeline timeline on the steps after --warmup. The planner's own
-split runs first; its timeline's measured costs (pipeline_costs.json) calibrate the predictions of
+each for --steps steps with the pipeline timeline on the steps after --warmup, after a discarded
+warm-up case. The planner's own split runs first; its timeline's measured costs (pipeline_costs.json) calibrate the predictions of
 every other split. Reported per model and schedule: the best measured split against the planner's
 (the planner's step / the best step), the old stage-balanced split (split_mode flops) against the
 planner's, and the predicted bubble per rank against the measured one before and after calibration
@@ -104,8 +104,12 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         cases.append({"out": str(dump) + ".json", "counts": counts, "dump": str(dump), "args": base + [
             "--parallelism.pipeline_parallel_split_points", points(counts), "--job.dump_folder", str(dump),
             "--profiling.pipeline_timeline_steps", ",".join(map(str, timed))]})
+    # The first case of a launch runs slower (thread pools, allocator, first collectives): a discarded
+    # warm-up case of the planner's split goes before the measured ones.
+    warm = dict(cases[0], out=cases[0]["out"] + ".warmup", dump=cases[0]["dump"] + "_warmup")
+    warm["args"] = [a if a != cases[0]["dump"] else warm["dump"] for a in warm["args"]]
     spec = tmp / f"{model}_{schedule}.json"
-    spec.write_text(json.dumps(cases))
+    spec.write_text(json.dumps([warm] + cases))
     worker = tmp / "worker.py"
     worker.write_text(WORKER.format(repo=str(REPO)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

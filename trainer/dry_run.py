@@ -158,7 +158,8 @@ def predicted_step(plan: JobPlan) -> list[str]:
     chosen = sim.predict(pipeline.counts)
     unit = costs.unit
     units = "seconds" if unit == "s" else "units (1 = the mean block's forward of one microbatch)"
-    comm = (f"each transfer between ranks {costs.send * 1e3:.3f} ms" if costs.send else
+    fitted = " (fitted to the measured step)" if costs.measured_counts else ""
+    comm = (f"each transfer between ranks {costs.send * 1e3:.3f} ms{fitted}" if costs.send else
             "transfers not modelled (set pipeline_parallel_device_tflops to predict seconds with transfers)")
     lines = [f"Predicted step: {pipeline.schedule} replayed with each stage's F/B/I/W costs from the {costs.source},"
              f" in {units}; {comm}"]

@@ -208,6 +208,10 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     )
     if check_memory:
         _check_state_memory(plan)
+    if pipeline is not None and pipeline.search is not None and pipeline.search.refused_for_memory:
+        logger.warning("[parallelism] pipeline split %s chosen without %d splits in which a rank would exceed the memory"
+                       " limit of %.1f GiB (pipeline_parallel_memory_limit_gib, 0 = this device's memory)",
+                       pipeline.split_points(spec.layers_attr), pipeline.search.refused_for_memory, limit / 2**30)
     if pipeline is not None and n_micro < pipeline.num_stages:
         bubble = plan.bubble()
         logger.warning(
@@ -354,8 +358,8 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
         return flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute,
                           flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, **link)
     measured = read_cost_file(p.pipeline_parallel_cost_file, cost_identity(config, args, dims.tp, dims.cp))
-    send = link["link_latency"] + send_bytes / link["link_bytes_per_second"]
     where = measured["measured"]
+    send = where.get("transfer_s", link["link_latency"] + send_bytes / link["link_bytes_per_second"])
     counts = where.get("counts")
     return calibrated_costs(units, measured["fit"], send=send, measured_counts=tuple(counts) if counts else None,
                             source=f"measured ({p.pipeline_parallel_cost_file}: {where.get('schedule')} on"

@@ -190,7 +190,7 @@ class PipelineTimeline:
                 first.setdefault(r["pp_rank"], r)
             own = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9) for r in first.values() for e in r["events"]]
             try:
-                logger.info("%s", self.calibration.add(step, own, bubbles))
+                logger.info("%s", self.calibration.add(step, own, bubbles, trace["otherData"]["span_us"] / 1e6))
             except Exception as e:  # noqa: BLE001 (a diagnostic must not end the run)
                 logger.warning("pipeline costs of step %d not calibrated: %s", step, e)
         return bubbles

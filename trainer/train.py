@@ -252,13 +252,10 @@ def build_calibration(plan: JobPlan, device: torch.device, folder: Path):
     p, pipeline = plan.config.parallelism, plan.pipeline
     whole = plan.build_model()
     units = pipeline_costs(plan.config, plan.spec, plan.model_args, whole, plan.dims, device.type, relative=True)
-    tokens = p.pipeline_parallel_microbatch_size * plan.tokens_per_rank
-    send_bytes = tokens * (getattr(plan.model_args, "dim", 0) or 0) * plan.compute_dtype(device).itemsize
     return Calibration(
         units=units, plan_costs=plan.pipeline_costs, counts=pipeline.counts,
         program=program_for(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank,
                             p.pipeline_parallel_schedule_csv),
-        send=p.pipeline_parallel_link_latency_us * 1e-6 + send_bytes / (p.pipeline_parallel_link_gbytes_per_second * 1e9),
         path=folder / "pipeline_costs.json", identity=cost_identity(plan.config, plan.model_args, plan.dims.tp, plan.dims.cp),
         measured={"schedule": pipeline.schedule, "pp": pipeline.pp, "device": device.type,
                   "split_points": pipeline.split_points(plan.spec.layers_attr)},

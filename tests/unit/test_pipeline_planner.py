@@ -204,7 +204,7 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     # W 0.5 + 3 per block (+2 output), and stage 0's W holds its blocks' I too (torch's split backward)
     seconds = {"F": [9e-3, 5e-3, 9e-3, 8e-3], "I": [0.5e-3, 5.5e-3, 10.5e-3, 7.5e-3], "W": [16.5e-3, 3.5e-3, 6.5e-3, 5.5e-3]}
     actions = [(k, s, v) for k, row in seconds.items() for s, v in enumerate(row) for _ in range(8)]
-    text = calibration.add(5, actions, {0: 0.1, 1: 0.2})
+    text = calibration.add(5, actions, {0: 0.1, 1: 0.2}, 0.5)
     assert "Bubble per pp rank measured 10.0%/20.0%" in text and str(tmp_path / "pipeline_costs.json") in text
     measured = load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(tmp_path / "pipeline_costs.json")])
     costs = measured.pipeline_costs
@@ -213,3 +213,24 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     for k, row in seconds.items():
         assert table[KINDS.index(k)] == pytest.approx(row, rel=0.01), k
     assert "Measured run's split" in describe_plan(measured)
+
+
+def test_the_transfer_time_is_fitted_to_the_measured_span():
+    """A step simulated with a known transfer time: the fit finds that time from the step's length alone,
+    and a span no longer than the compute gives no transfer time."""
+    from trainer.parallel.pipeline_calibration import fit_transfer
+
+    costs = random_costs(random.Random(3), 6)
+    program = program_for("ZBVZeroBubble", 2, 8, 2)
+    with_transfers = Simulator(PartCosts(costs.parts, costs.overhead, 0.5, "s", "known"), program)
+    # a split whose step the transfers lengthen (on some, the busiest rank hides them all)
+    counts = next(c for c in splits_of(6, 4)
+                  if with_transfers.predict(c).makespan > Simulator(costs, program).predict(c).makespan + 0.1)
+    slow = with_transfers.predict(counts).makespan
+    assert fit_transfer(costs, program, counts, slow) == pytest.approx(0.5, rel=1e-6)
+    compute_only = Simulator(costs, program).predict(counts).makespan
+    assert fit_transfer(costs, program, counts, compute_only * 0.99) == 0.0
+
+
+def splits_of(n: int, stages: int) -> list[tuple[int, ...]]:
+    return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, n))) for cuts in itertools.combinations(range(1, n), stages - 1)]

@@ -9,6 +9,8 @@ to every step recorded so far (``pipeline_cost.fit_costs``), writes them to
 them and what it would gain. ``--parallelism.pipeline_parallel_cost_file`` reads that file back.
 """
 
+import statistics
+from dataclasses import replace
 from pathlib import Path
 
 from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, write_cost_file
@@ -18,21 +20,24 @@ from trainer.parallel.schedule_sim import Program
 
 class Calibration:
     def __init__(self, *, units: PartCosts, plan_costs: PartCosts, counts: tuple[int, ...], program: Program,
-                 send: float, path: Path, identity: dict, measured: dict, layers_attr: str):
+                 path: Path, identity: dict, measured: dict, layers_attr: str):
         """``units``: the FLOP model in relative units (what measurements are fitted against); ``plan_costs``:
-        what the plan predicted with; ``send``: one transfer's seconds for the calibrated prediction;
+        what the plan predicted with;
         ``measured``: what the file records about the run (schedule, pp, split points, device)."""
         self.units, self.plan_costs, self.counts, self.program = units, plan_costs, tuple(counts), program
-        self.send, self.path, self.identity, self.meta = send, Path(path), identity, measured
+        self.path, self.identity, self.meta = Path(path), identity, measured
         self.layers_attr = layers_attr
         self.actions: list[tuple[str, int, float]] = []
         self.steps: list[int] = []
+        self.spans: list[float] = []
         self.owner = {s: r for r, ids in enumerate(Simulator(units, program).stage_ids) for s in ids}
 
-    def add(self, step: int, actions: list[tuple[str, int, float]], measured_bubble: dict[int, float]) -> str:
-        """Record one step's (kind, stage, seconds) actions; returns the log text."""
+    def add(self, step: int, actions: list[tuple[str, int, float]], measured_bubble: dict[int, float],
+            span: float) -> str:
+        """Record one step's (kind, stage, seconds) actions and its pipeline span (seconds); returns the log text."""
         self.actions += actions
         self.steps.append(step)
+        self.spans.append(span)
         ranks = range(self.program.num_ranks)
         measured = {(r, k): 0.0 for r in ranks for k in KINDS}
         for kind, stage, seconds in actions:
@@ -50,12 +55,14 @@ class Calibration:
                                         for k in KINDS if measured[(r, k)] or predicted[(r, k)])
             for r in ranks)
         fit = fit_costs(self.units, list(self.counts), self.actions)
-        costs = calibrated_costs(self.units, fit, send=self.send, source=f"measured steps {self.steps}")
-        sim = Simulator(costs, self.program)
+        costs = calibrated_costs(self.units, fit, send=0.0, source=f"measured steps {self.steps}")
+        send = fit_transfer(costs, self.program, self.counts, statistics.median(self.spans))
+        sim = Simulator(replace(costs, send=send), self.program)
         after = sim.predict(self.counts)
         best = search_splits(sim).best[0]
         write_cost_file(self.path, identity=self.identity, fit=fit,
-                        measured=self.meta | {"steps": self.steps, "counts": list(self.counts)})
+                        measured=self.meta | {"steps": self.steps, "counts": list(self.counts), "transfer_s": send,
+                                              "span_s": statistics.median(self.spans)})
         gain = 1 - best.makespan / after.makespan
         choice = ("the planner keeps this split with the measured costs" if best.counts == self.counts else
                   f"with the measured costs the planner would choose {self._points(best)}: predicted step"
@@ -63,11 +70,27 @@ class Calibration:
                   f" ({100 * gain:.1f}% shorter)")
         return (f"pipeline costs of step {step}: {per_rank}. Bubble per pp rank measured "
                 f"{_bubbles(measured_bubble)}, predicted {_bubbles(_of(before))} before calibration,"
-                f" {_bubbles(_of(after))} after; {choice}; measured costs written to {self.path}")
+                f" {_bubbles(_of(after))} after (a transfer between ranks fitted at {1e3 * send:.2f} ms);"
+                f" {choice}; measured costs written to {self.path}")
 
     def _points(self, p: Prediction) -> str:
         starts = [sum(p.counts[:i]) for i in range(1, len(p.counts))]
         return "[" + ", ".join(f"{self.layers_attr}.{s}" for s in starts) + "]"
+
+
+def fit_transfer(costs: PartCosts, program: Program, counts: tuple[int, ...], span: float) -> float:
+    """The time of one transfer between ranks that makes the simulated step as long as the measured span:
+    what the measured step has beyond its compute in the schedule's order (0 when it has nothing)."""
+    def makespan(send: float) -> float:
+        return Simulator(replace(costs, send=send), program).predict(counts).makespan
+
+    if makespan(0.0) >= span:
+        return 0.0
+    low, high = 0.0, span
+    for _ in range(40):  # the step grows with the transfer time: bisect
+        mid = (low + high) / 2
+        low, high = (mid, high) if makespan(mid) < span else (low, mid)
+    return (low + high) / 2
 
 
 def _of(p: Prediction) -> dict[int, float]:
