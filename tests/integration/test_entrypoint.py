@@ -1,5 +1,6 @@
 """The real entry points (run_train.sh, train.py) as a user runs them."""
 
+import math
 import os
 import subprocess
 import sys
@@ -113,7 +114,17 @@ def test_readme_dry_run_plans_8b_on_64_ranks(tmp_path):
                    "8", "--activation_checkpoint.mode", "full", "--job.dump_folder", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr
     assert "pp 4 = 64 ranks" in proc.stdout and "1F1B, 4 stages, 1 per rank" in proc.stdout
-    assert "expected bubble 27.3%" in proc.stdout
+    # 32 blocks cut into 4 contiguous stages: C(31, 3) splits, few enough to simulate them all
+    assert f"exact: all {math.comb(31, 3)} contiguous splits simulated" in proc.stdout
+    # the predicted step's table adds up: every rank is busy or idle for the whole makespan
+    lines = proc.stdout.splitlines()
+    makespan = float(next(line for line in lines if line.startswith("step (makespan):")).split()[2])
+    head = lines.index(next(line for line in lines if line.startswith("pp rank  stages  compute")))
+    rows = [line.split() for line in lines[head + 2:head + 6]]
+    assert [row[0] for row in rows] == ["0", "1", "2", "3"], rows
+    for _, _, compute, idle, bubble in rows:
+        assert abs(float(compute) + float(idle) - makespan) < 0.15, (rows, makespan)
+        assert abs(float(bubble.rstrip("%")) - 100 * float(idle) / makespan) < 0.1, (rows, makespan)
 
 
 def _free_port() -> int:

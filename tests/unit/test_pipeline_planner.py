@@ -234,3 +234,23 @@ def test_the_transfer_time_is_fitted_to_the_measured_span():
 
 def splits_of(n: int, stages: int) -> list[tuple[int, ...]]:
     return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, n))) for cuts in itertools.combinations(range(1, n), stages - 1)]
+
+
+def test_a_csv_schedule_is_planned_by_its_own_actions(tmp_path):
+    """torch's Interleaved1F1B and InterleavedZeroBubble written out as CSVs: the planner chooses for each the split it
+    chooses for the named schedule, with the same predicted step, and the two orders predict different steps."""
+    from trainer.parallel.schedule_sim import _flatten, schedule_ops
+
+    base = ["--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path)]
+    steps = {}
+    for schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rows = [[f"{s}{k}{m}" for a in rank for k, s, m in _flatten(a)] for rank in schedule_ops(schedule, 2, 8, 2)]
+        path = tmp_path / f"{schedule}.csv"
+        path.write_text("\n".join(",".join(r) for r in rows) + "\n")
+        named = load_plan(base + ["--parallelism.pipeline_parallel_schedule", schedule])
+        csv = load_plan(base + ["--parallelism.pipeline_parallel_schedule_csv", str(path)])
+        assert csv.pipeline.schedule == "csv" and csv.pipeline.counts == named.pipeline.counts
+        steps[schedule] = csv.pipeline.search.best[0].makespan
+        assert steps[schedule] == pytest.approx(named.pipeline.search.best[0].makespan, rel=1e-12)
+        assert "Predicted step: csv" in describe_plan(csv)
+    assert steps["Interleaved1F1B"] > steps["InterleavedZeroBubble"] * 1.01
