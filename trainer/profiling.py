@@ -99,16 +99,16 @@ class PipelineTimeline:
     """Records this rank's pipeline actions for the chosen steps and merges every rank's on one rank."""
 
     def __init__(self, steps: list[int], folder: Path, *, rank: int, pp_rank: int, writer: bool,
-                 schedule: tuple[str, int, int, int] | None = None, sync: bool = False, calibration=None):
-        """``schedule`` = (name, pp, microbatches, stages per rank): the simulated timeline drawn next
-        to the measured one (None for a CSV schedule: measured only). ``sync`` (CUDA): wait for the
+                 program=None, sync: bool = False, calibration=None):
+        """``program`` (a ``schedule_sim.Program``, the schedule's action lists): replayed with the
+        measured action times and drawn under the measured timeline (None: measured only). ``sync`` (CUDA): wait for the
         device around each timed action, so the times are when the kernels ran, not when they were
         queued (only in timed steps). ``calibration`` (a ``pipeline_calibration.Calibration``, on the writer):
         compares each timed step with the plan's prediction and writes the measured costs."""
         self.steps, self.folder = set(steps), Path(folder)
         self.calibration = calibration
         self.rank, self.pp_rank, self.writer = rank, pp_rank, writer
-        self.schedule, self.sync = schedule, sync
+        self.program, self.sync = program, sync
         self.events: list[dict] | None = None  # recording when not None
 
     def attach(self, stages) -> None:
@@ -164,16 +164,17 @@ class PipelineTimeline:
             path.unlink()
         trace, bubbles = merge_timeline(ranks, step)
         simulated, versus_model = None, ""
-        if self.schedule is not None:
-            from trainer.parallel.schedule_sim import replayed_span, simulated_spans
+        if self.program is not None:
+            from trainer.parallel.schedule_sim import replayed_span
 
-            simulated = simulated_spans(*self.schedule)
             actions = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9) for r in ranks for e in r["events"]]
+            spans: list[tuple] = []
             try:
-                model_us = replayed_span(*self.schedule, actions) * 1e6
+                model_us = replayed_span(self.program, actions, spans) * 1e6
             except ValueError as e:  # an action kind the trace lacks: a diagnostic must not end the run
                 versus_model = f"; no replay with the measured action times ({e})"
             else:
+                simulated = [(r, kind, stage, mb, start * 1e6, end * 1e6) for r, kind, stage, mb, start, end in spans]
                 trace["otherData"]["model_span_us"] = model_us
                 versus_model = (f"; span {trace['otherData']['span_us'] / 1e3:.1f} ms against {model_us / 1e3:.1f} ms"
                                 " for the schedule replayed with the measured action times and free communication"
@@ -219,49 +220,79 @@ def merge_timeline(ranks: list[dict], step: int) -> tuple[dict, dict[int, float]
 
 
 _COLORS = {"F": "#4e79a7", "B": "#e15759", "I": "#f28e2b", "W": "#59a14f"}
+_KIND_NAMES = {"F": "forward", "B": "full backward", "I": "input gradient", "W": "weight gradient"}
 
 
-def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int) -> str:
+def _tick_step(span: float) -> float:
+    """The smallest of 1, 2, 5 x 10^k above span / 10, so that 5 to 10 ticks from 0 fall within the span."""
+    return min(m * 10.0 ** k for k in range(-6, 12) for m in (1, 2, 5) if m * 10.0 ** k > span / 10)
+
+
+def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int,
+                 simulated_title: str = "schedule replayed with the measured action times, free communication") -> str:
     """A picture of the measured timeline (one row per pipeline rank, its first rank standing for its
-    TP/FSDP peers) above the simulated one (F = 1, B = 2, I = W = 1, no communication), each
-    scaled to its own span. Each box is one action, labelled like a CSV cell (stage, kind, microbatch)."""
-    width, row, left, gap = 1000, 22, 70, 36
-    rows: dict[int, list[tuple]] = {}
+    TP/FSDP peers) above the simulated one ((pp rank, kind, stage, microbatch, start, end), microseconds),
+    both on one time scale so that equal durations have equal widths. Each box is one action, labelled
+    like a CSV cell (stage, kind, microbatch); beside each row, its bubble: the share of its panel's span
+    in which it runs no action (for the measured panel, the bubble ``merge_timeline`` reports)."""
+    from xml.sax.saxutils import escape
+
+    width, row, left, right = 1000, 22, 70, 90
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
-    seen_pp: dict[int, int] = {}
+    first: dict[int, int] = {}
     for pid, name in sorted(names.items()):
-        pp_rank = int(name.rsplit("pp rank ", 1)[1].rstrip(")"))
-        seen_pp.setdefault(pp_rank, pid)
-    for pp_rank, pid in seen_pp.items():
-        rows[pp_rank] = [(e["cat"], e["args"]["stage"], e["args"]["microbatch"], e["ts"], e["ts"] + e["dur"])
-                         for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid]
-    panels = [(f"measured, step {step} ({trace['otherData']['span_us'] / 1e3:.1f} ms)", rows)]
+        first.setdefault(int(name.rsplit("pp rank ", 1)[1].rstrip(")")), pid)
+    rows = {p: [(e["cat"], e["args"]["stage"], e["args"]["microbatch"], e["ts"], e["ts"] + e["dur"])
+                for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == pid] for p, pid in first.items()}
+    # (title, rows, t0, span in us): the measured span is merge_timeline's, over every rank, TP/FSDP peers too
+    panels = [(f"measured, step {step}", rows, 0.0, trace["otherData"]["span_us"])]
     if simulated:
         sim_rows: dict[int, list[tuple]] = {}
-        for r, kind, stage, mb, start, end in simulated:
-            sim_rows.setdefault(r, []).append((kind, stage, mb, start, end))
-        panels.append(("simulated (F = 1, B = 2, I = W = 1 unit; no communication)", sim_rows))
-    height = sum(gap + row * len(r) for _, r in panels) + 10
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + left + 10}" height="{height}"'
-           ' font-family="sans-serif" font-size="10">']
-    y = 0
-    for title, panel in panels:
-        out.append(f'<text x="4" y="{y + 24}" font-size="12">{title}</text>')
-        y += gap - 6
-        end = max((a[4] for acts in panel.values() for a in acts), default=1) or 1
-        for r in sorted(panel):
-            out.append(f'<text x="4" y="{y + 15}">pp rank {r}</text>')
-            for kind, stage, mb, start, stop in panel[r]:
-                x, w = left + width * start / end, max(width * (stop - start) / end, 0.5)
+        for p, kind, stage, mb, start, end in simulated:
+            sim_rows.setdefault(p, []).append((kind, stage, mb, start, end))
+        t0 = min(s[4] for s in simulated)
+        panels.append((simulated_title, sim_rows, t0, max(s[5] for s in simulated) - t0))
+    longest = max(span for *_, span in panels)
+    scale = width / longest  # px per us, shared by the panels
+    tick = _tick_step(longest / 1e3)  # ms
+
+    out = ['<g id="legend">']
+    x = left
+    for kind, color in _COLORS.items():
+        text = f"{kind} {_KIND_NAMES[kind]}"
+        out.append(f'<rect x="{x}" y="8" width="10" height="10" fill="{color}"/>'
+                   f'<text x="{x + 14}" y="17">{text}</text>')
+        x += 24 + 6 * len(text)
+    out.append("</g>")
+    y = 24
+    for title, panel, t0, span in panels:
+        out.append(f'<text x="4" y="{y + 16}" font-size="12">{escape(title)} ({span / 1e3:.1f} ms)</text>')
+        y += 24
+        for p in sorted(panel):
+            out.append(f'<text x="4" y="{y + 15}">pp rank {p}</text>')
+            for kind, stage, mb, start, stop in panel[p]:
+                x, w = left + scale * (start - t0), max(scale * (stop - start), 0.5)
                 label = f"{stage}{kind}{mb}"
                 out.append(f'<rect x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row - 4}" fill="{_COLORS[kind]}"'
                            f' stroke="white" stroke-width="0.5"><title>{label}</title></rect>')
                 if w > 7 * len(label):
                     out.append(f'<text x="{x + 2:.1f}" y="{y + 15}" fill="white">{label}</text>')
+            # per-rank busy time summed as merge_timeline does (one rank's actions do not overlap)
+            bubble = 1 - sum(a[4] - a[3] for a in panel[p]) / span
+            out.append(f'<text x="{left + width + 8}" y="{y + 15}">bubble {100 * bubble:.1f}%</text>')
             y += row
-        y += 6
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+        out.append(f'<g class="axis"><line x1="{left}" y1="{y + 2}" x2="{left + width}" y2="{y + 2}" stroke="black"/>')
+        for i in range(int(longest / 1e3 / tick + 1e-9) + 1):  # a tick at the span end despite rounding
+            x = left + scale * i * tick * 1e3
+            out.append(f'<line x1="{x:.1f}" y1="{y + 2}" x2="{x:.1f}" y2="{y + 6}" stroke="black"/>'
+                       f'<text x="{x:.1f}" y="{y + 16}" text-anchor="middle">{round(i * tick, 9):g}</text>')
+        out.append(f'<text x="{left + width + 8}" y="{y + 16}">ms</text></g>')
+        y += 30
+    total_width, height = left + width + right, y
+    return "\n".join([f'<svg xmlns="http://www.w3.org/2000/svg" width="{total_width}" height="{height}"'
+                      ' font-family="sans-serif" font-size="10">',
+                      f'<rect x="0" y="0" width="{total_width}" height="{height}" fill="white"/>',
+                      *out, "</svg>"]) + "\n"
 
 
 class SavedActivationMeter:

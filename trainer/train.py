@@ -35,6 +35,7 @@ from trainer.optim import ChunkOptimizers
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
 from trainer.parallel.pipeline import run_schedule, schedule_stages
+from trainer.parallel.schedule_sim import Program, program_for
 from trainer.plan import JobPlan, build_job_plan
 from trainer.profiling import PipelineTimeline, SavedActivationMeter, StepProfiler
 from trainer.watchdog import Watchdog
@@ -227,13 +228,13 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         pipeline = plan.pipeline
-        simulated = None if pipeline.schedule == "csv" else (pipeline.schedule, pipeline.pp, plan.n_microbatches,
-                                                             pipeline.stages_per_rank)
+        program = program_for(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank,
+                              config.parallelism.pipeline_parallel_schedule_csv)
         folder = Path(config.job.dump_folder) / config.profiling.save_traces_folder
         writer = rank == plan.reporting_rank
         timeline = PipelineTimeline(config.profiling.pipeline_timeline_steps, folder, rank=rank, pp_rank=pp_rank,
-                                    writer=writer, schedule=simulated, sync=device.type == "cuda",
-                                    calibration=build_calibration(plan, device, folder) if writer else None)
+                                    writer=writer, program=program, sync=device.type == "cuda",
+                                    calibration=build_calibration(plan, device, folder, program) if writer else None)
         timeline.attach(schedule_stages(parts.schedule))
     profiler = None
     if config.profiling.enable_profiling or config.profiling.enable_memory_snapshot:
@@ -243,20 +244,17 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
                    step_context, timeline, profiler)
 
 
-def build_calibration(plan: JobPlan, device: torch.device, folder: Path):
-    """What a timed pipeline run compares its measurements with, and how it writes its cost file."""
+def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program: Program):
+    """What a timed pipeline run of ``program`` compares its measurements with, and how it writes its cost file."""
     from trainer.parallel.pipeline_calibration import Calibration
-    from trainer.parallel.schedule_sim import program_for
     from trainer.plan import cost_identity, pipeline_costs
 
-    p, pipeline = plan.config.parallelism, plan.pipeline
+    pipeline = plan.pipeline
     whole = plan.build_model()
     units = pipeline_costs(plan.config, plan.spec, plan.model_args, whole, plan.dims, device.type, relative=True)
     return Calibration(
         units=units, plan_costs=plan.pipeline_costs, counts=pipeline.counts,
-        program=program_for(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank,
-                            p.pipeline_parallel_schedule_csv),
-        path=folder / "pipeline_costs.json", identity=cost_identity(plan.config, plan.model_args, plan.dims.tp, plan.dims.cp),
+        program=program, path=folder / "pipeline_costs.json", identity=cost_identity(plan.config, plan.model_args, plan.dims.tp, plan.dims.cp),
         measured={"schedule": pipeline.schedule, "pp": pipeline.pp, "device": device.type,
                   "split_points": pipeline.split_points(plan.spec.layers_attr)},
         layers_attr=plan.spec.layers_attr)

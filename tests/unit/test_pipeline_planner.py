@@ -195,10 +195,12 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     dry run with it predicts in seconds, and the measured split's step equals the replay of those seconds."""
     import torch
 
+    from trainer.parallel.schedule_sim import program_for
     from trainer.train import build_calibration
 
     plan = load_plan(PP2_ZBV)
-    calibration = build_calibration(plan, torch.device("cpu"), tmp_path)
+    program = program_for("ZBVZeroBubble", 2, plan.n_microbatches, 2)
+    calibration = build_calibration(plan, torch.device("cpu"), tmp_path, program)
     assert plan.pipeline.counts == (2, 1, 2, 1)
     # ms per action: F 1 + 4 per block (+3 output); I 0.5 + 5 per block (+2 output), none on stage 0;
     # W 0.5 + 3 per block (+2 output), and stage 0's W holds its blocks' I too (torch's split backward)

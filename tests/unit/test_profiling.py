@@ -1,6 +1,7 @@
 """Pipeline timelines: what is recorded per action, how ranks are merged, the measured bubble."""
 
 import json
+import math
 
 import pytest
 
@@ -127,39 +128,135 @@ def test_simulated_spans_give_the_expected_bubble(schedule, pp, m, per_rank):
     assert 1 - busy / (pp * makespan) == pytest.approx(expected)
 
 
-def test_timeline_picture_has_a_box_per_action_measured_and_simulated():
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def action(kind, stage, mb, start, end):
+    """One recorded action, times in ns."""
+    return {"kind": kind, "stage": stage, "mb": mb, "start_ns": start, "end_ns": end}
+
+
+def picture(trace, simulated):
     import xml.etree.ElementTree as ET
 
+    return ET.fromstring(timeline_svg(trace, simulated, step=1))
+
+
+def action_boxes(svg):
+    """(label, x, width) of each action's box, in drawing order: the measured panel's, then the simulated's."""
+    return [(r.find(f"{SVG}title").text, float(r.get("x")), float(r.get("width")))
+            for r in svg.iter(f"{SVG}rect") if r.find(f"{SVG}title") is not None]
+
+
+# 1F1B, 2 ranks, 1 microbatch, in ns: F 10 us and B 20 us on stage 0, F and B 10 us on stage 1, with 2 us
+# transfers between the ranks; rank 2 is a TP peer of rank 1 whose backward ends last (at 56 us).
+MEASURED = [
+    {"rank": 0, "pp_rank": 0, "events": [action("F", 0, 0, 0, 10_000), action("B", 0, 0, 34_000, 54_000)]},
+    {"rank": 1, "pp_rank": 1, "events": [action("F", 1, 0, 12_000, 22_000), action("B", 1, 0, 22_000, 32_000)]},
+    {"rank": 2, "pp_rank": 1, "events": [action("F", 1, 0, 12_000, 22_000), action("B", 1, 0, 24_000, 56_000)]},
+]
+# the same actions replayed without transfers, in us: span 50
+REPLAYED = [(0, "F", 0, 0, 0.0, 10.0), (1, "F", 1, 0, 10.0, 20.0), (1, "B", 1, 0, 20.0, 30.0),
+            (0, "B", 0, 0, 30.0, 50.0)]
+
+
+def test_timeline_picture_has_a_box_per_action_measured_and_simulated():
     from trainer.parallel.schedule_sim import simulated_spans
 
-    def ev(kind, stage, mb, start, end):
-        return {"kind": kind, "stage": stage, "mb": mb, "start_ns": start, "end_ns": end}
-
-    ranks = [{"rank": 0, "pp_rank": 0, "events": [ev("F", 0, 0, 0, 10), ev("B", 0, 0, 30, 50)]},
-             {"rank": 1, "pp_rank": 1, "events": [ev("F", 1, 0, 10, 20), ev("B", 1, 0, 20, 30)]},
-             {"rank": 2, "pp_rank": 1, "events": [ev("F", 1, 0, 10, 20), ev("B", 1, 0, 20, 30)]}]  # a peer of rank 1
-    trace, _ = merge_timeline(ranks, step=1)
-    svg = ET.fromstring(timeline_svg(trace, simulated_spans("1F1B", 2, 1, 1), step=1))
-    boxes = [r.find("{http://www.w3.org/2000/svg}title").text for r in svg.iter("{http://www.w3.org/2000/svg}rect")]
+    trace, _ = merge_timeline(MEASURED, step=1)
+    in_us = [(r, kind, stage, mb, 10 * start, 10 * end)
+             for r, kind, stage, mb, start, end in simulated_spans("1F1B", 2, 1, 1)]
+    boxes = [label for label, *_ in action_boxes(picture(trace, in_us))]
     assert boxes == ["0F0", "0B0", "1F0", "1B0"] * 2  # measured (rank 2 drawn as its pp rank's rank 1), simulated
+
+
+def test_timeline_panels_share_one_time_scale():
+    """The measured span (56 us) is longer than the replayed one (50 us); an action takes as many pixels in both."""
+    trace, _ = merge_timeline(MEASURED, step=1)
+    boxes = action_boxes(picture(trace, REPLAYED))
+    measured, replayed = dict((b[0], b[2]) for b in boxes[:4]), dict((b[0], b[2]) for b in boxes[4:])
+    assert measured == replayed
+    assert measured["0B0"] == pytest.approx(2 * measured["0F0"], abs=0.1)  # 20 us against 10 us
+
+
+def test_timeline_rows_show_their_bubble():
+    trace, bubbles = merge_timeline(MEASURED, step=1)
+    texts = list(picture(trace, REPLAYED).iter(f"{SVG}text"))
+    row_names = {t.get("y"): t.text for t in texts if t.text.startswith("pp rank")}
+    shown = [(row_names[t.get("y")], t.text) for t in texts if t.text.startswith("bubble")]
+    # measured: the span runs to the TP peer's end, 56 us; pp rank 0 is busy 10 + 20 us, pp rank 1 (rank 1) 10 + 10 us
+    # replayed: span 50 us, the same busy times
+    expected = [(0, 30, 56), (1, 20, 56), (0, 30, 50), (1, 20, 50)]  # (pp rank, busy, span) in us
+    assert shown == [(f"pp rank {p}", f"bubble {100 * (1 - busy / span):.1f}%") for p, busy, span in expected]
+    assert [text for _, text in shown[:2]] == [f"bubble {100 * bubbles[p]:.1f}%" for p in (0, 1)]  # merge_timeline's
+
+
+def test_timeline_legend_names_each_action_kind_in_its_box_colour():
+    trace, _ = merge_timeline(MEASURED, step=1)
+    split = [(0, "F", 0, 0, 0.0, 10.0), (0, "I", 0, 0, 10.0, 15.0), (0, "W", 0, 0, 15.0, 20.0),
+             (0, "B", 0, 1, 20.0, 40.0)]
+    svg = picture(trace, split)
+    legend = svg.find(f"{SVG}g[@id='legend']")
+    entries = {t.text: r.get("fill") for r, t in zip(legend.iter(f"{SVG}rect"), legend.iter(f"{SVG}text"))}
+    assert set(entries) == {"F forward", "B full backward", "I input gradient", "W weight gradient"}
+    box_fill = {r.find(f"{SVG}title").text[1]: r.get("fill") for r in svg.iter(f"{SVG}rect")
+                if r.find(f"{SVG}title") is not None}
+    assert {text[0]: fill for text, fill in entries.items()} == box_fill and len(set(box_fill.values())) == 4
+
+
+def test_timeline_picture_has_an_opaque_background():
+    trace, _ = merge_timeline(MEASURED, step=1)
+    svg = picture(trace, REPLAYED)
+    background = svg[0]  # drawn first, under everything else
+    assert background.tag == f"{SVG}rect" and background.get("fill") == "white"
+    assert float(background.get("x", 0)) == float(background.get("y", 0)) == 0
+    assert (background.get("width"), background.get("height")) == (svg.get("width"), svg.get("height"))
+
+
+@pytest.mark.parametrize("measured_us, replayed_us", [(56, None), (23_000, None), (1_234_000, 2_000_000), (900, 40)])
+def test_timeline_axes_tick_round_milliseconds_over_the_longer_span(measured_us, replayed_us):
+    trace, _ = merge_timeline([{"rank": 0, "pp_rank": 0, "events": [action("F", 0, 0, 0, 1000 * measured_us)]}], step=1)
+    replayed = [(0, "F", 0, 0, 0.0, float(replayed_us))] if replayed_us else None
+    svg = picture(trace, replayed)
+    longest_ms = max(measured_us, replayed_us or 0) / 1e3
+    axes = svg.findall(f".//{SVG}g[@class='axis']")
+    assert len(axes) == (2 if replayed else 1)
+    box_x, box_width = action_boxes(svg)[0][1:]
+    for axis in axes:
+        texts = axis.findall(f"{SVG}text")
+        assert texts[-1].text == "ms"
+        ticks = [(float(t.text), float(t.get("x"))) for t in texts[:-1]]
+        step = ticks[1][0] - ticks[0][0]
+        mantissa = step / 10 ** math.floor(math.log10(step) + 1e-9)
+        assert ticks[0][0] == 0 and min(abs(mantissa - m) for m in (1, 2, 5)) < 1e-6 and 5 <= len(ticks) <= 10
+        assert [v for v, _ in ticks] == pytest.approx([i * step for i in range(len(ticks))])
+        assert ticks[-1][0] <= longest_ms * (1 + 1e-9) < ticks[-1][0] + step  # to the end of the longer span
+        # the axis measures the boxes: the measured action [0, measured_us] spans its ticks' pixels
+        px_per_ms = (ticks[-1][1] - ticks[0][1]) / ticks[-1][0]
+        assert box_x == pytest.approx(ticks[0][1], abs=0.1)
+        assert box_width == pytest.approx(px_per_ms * measured_us / 1e3, abs=0.2)
 
 
 def test_replay_with_measured_action_times_follows_the_schedule_order():
     """1F1B on 2 ranks, 2 microbatches, stage 0 F=1 B=2, stage 1 F=3 B=6 (by hand):
     rank 0 runs F0 [0,1], F1 [1,2], then waits for stage 1's backward of mb 0; rank 1 runs
     F0 [1,4], B0 [4,10], F1 [10,13], B1 [13,19]; rank 0's B0 [10,12] and B1 [19,21]: span 21."""
-    from trainer.parallel.schedule_sim import replayed_span
+    from trainer.parallel.schedule_sim import program_for, replayed_span
 
+    one_f_one_b = lambda m: program_for("1F1B", 2, m, 1)  # noqa: E731
     measured = [("F", 0, 1.0), ("B", 0, 2.0), ("F", 1, 3.0), ("B", 1, 6.0)]
-    assert replayed_span("1F1B", 2, 2, 1, measured) == pytest.approx(21.0)
+    spans = []
+    assert replayed_span(one_f_one_b(2), measured, spans) == pytest.approx(21.0)
+    rank0 = [(kind, mb, start, end) for r, kind, stage, mb, start, end in spans if r == 0]
+    assert rank0 == [("F", 0, 0.0, 1.0), ("F", 1, 1.0, 2.0), ("B", 0, 10.0, 12.0), ("B", 1, 19.0, 21.0)]
     # each (kind, stage) takes the median of its samples; a split backward stands in for a full one
     noisy = [("F", 0, 1.0), ("F", 0, 50.0), ("F", 0, 1.0), ("B", 0, 2.0), ("F", 1, 3.0), ("I", 1, 4.0), ("W", 1, 2.0)]
-    assert replayed_span("1F1B", 2, 2, 1, noisy) == pytest.approx(21.0)
+    assert replayed_span(one_f_one_b(2), noisy) == pytest.approx(21.0)
     # equal stages with B = 2F reproduce the unit simulation's fill-and-drain: (m + p - 1) (F + B)
     equal = [(k, s, t) for s in range(2) for k, t in (("F", 0.5), ("B", 1.0))]
-    assert replayed_span("1F1B", 2, 4, 1, equal) == pytest.approx((4 + 2 - 1) * 1.5)
+    assert replayed_span(one_f_one_b(4), equal) == pytest.approx((4 + 2 - 1) * 1.5)
     with pytest.raises(ValueError, match="no measured F action of stage 1"):
-        replayed_span("1F1B", 2, 2, 1, [("F", 0, 1.0), ("B", 0, 2.0), ("B", 1, 1.0)])
+        replayed_span(one_f_one_b(2), [("F", 0, 1.0), ("B", 0, 2.0), ("B", 1, 1.0)])
 
 
 def test_a_trace_the_replay_cannot_use_is_still_written(tmp_path):
@@ -167,7 +264,9 @@ def test_a_trace_the_replay_cannot_use_is_still_written(tmp_path):
     timeline is written without a model span instead of ending the run."""
     stage = FakeStage()
     stage.stage_index = 0
-    timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True, schedule=("1F1B", 2, 2, 1))
+    from trainer.parallel.schedule_sim import program_for
+
+    timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True, program=program_for("1F1B", 2, 2, 1))
     timeline.attach([stage])
     timeline.begin_step(1)
     stage.forward_one_chunk(0, ())

@@ -296,11 +296,11 @@ def _queues(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -
     return [[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops]
 
 
-def replayed_span(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int,
-                  actions: list[tuple[str, int, float]]) -> float:
-    """The bubble model built from measured action times: the span of one schedule step when every
-    action of a kind on a stage lasts the median of the measured ``actions`` (kind, stage, seconds)
-    and communication is free. What a measured span exceeds it by is communication and overhead."""
+def replayed_span(program: Program, actions: list[tuple[str, int, float]], spans: list | None = None) -> float:
+    """The bubble model built from measured action times: the span of one step of ``program`` when
+    every action of a kind on a stage lasts the median of the measured ``actions`` (kind, stage,
+    seconds) and communication is free. What a measured span exceeds it by is communication and
+    overhead. ``spans``, if given, receives (rank, kind, stage, microbatch, start, end) in seconds."""
     samples: dict[tuple[str, int], list[float]] = {}
     for kind, stage, seconds in actions:
         samples.setdefault((kind, stage), []).append(seconds)
@@ -315,7 +315,9 @@ def replayed_span(schedule: str, pp: int, n_microbatches: int, stages_per_rank: 
             return median[("B", stage)] / 2
         raise ValueError(f"no measured {kind} action of stage {stage}")
 
-    return _run(_queues(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank, cost=cost)[0]
+    used = {program.actions[i][:2] for i in range(len(program.actions))}
+    table = [[cost(k, s) if (k, s) in used else 0.0 for s in range(program.num_stages)] for k in KIND_INDEX]
+    return replay(program, table, spans=spans)[0]
 
 
 def _one_stage_ops(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
