@@ -8,7 +8,7 @@ would (``run_train.sh`` has its launcher check the same before starting any proc
 import os
 import sys
 
-from trainer.errors import UserError, one_line
+from trainer.errors import UserError, error_lines
 
 
 def run(argv: list[str]) -> int:
@@ -38,7 +38,8 @@ def run(argv: list[str]) -> int:
 
         main(invocation.config)
     except UserError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        for line in error_lines(e):
+            print(f"error: {line}", file=sys.stderr)
         return 2
     except Exception as e:
         if not _lost_peer(e):

@@ -135,11 +135,15 @@ def describe_plan(plan: JobPlan) -> str:
     )
     lines += [""] + predicted_step(plan)
     if pipeline.schedule != "csv":
-        dump = Path(config.job.dump_folder)
-        dump.mkdir(parents=True, exist_ok=True)
-        path = dump / "pipeline_schedule.txt"
-        path.write_text(timeline(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank))
-        lines.append(f"Schedule timeline (action order per rank): {path}")
+        path = Path(config.job.dump_folder) / "pipeline_schedule.txt"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(timeline(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank))
+        except OSError as e:
+            lines.append(f"Schedule timeline (action order per rank) not written: {path}: {e.strerror or e}")
+        else:
+            lines.append(f"Wrote the schedule timeline (action order per rank) to {path}; the dry run writes nothing"
+                         " else")
     return "\n".join(lines) + "\n"
 
 

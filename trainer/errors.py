@@ -18,6 +18,19 @@ class ConfigError(UserError, ValueError):
     """The config (TOML file or command line) is malformed or inconsistent."""
 
 
+class ConfigErrors(ConfigError):
+    """Several independent mistakes found in one pass (every unknown key of a file), reported together."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = list(errors)
+        super().__init__("; ".join(str(e) for e in self.errors))
+
+
+def error_lines(error: UserError) -> list[str]:
+    """How an error is shown: one line per mistake (``ConfigErrors`` holds several)."""
+    return [str(e) for e in error.errors] if isinstance(error, ConfigErrors) else [one_line(error)]
+
+
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
 

@@ -36,7 +36,7 @@ def check_config(args) -> int:
     otherwise print the one-line error and return 2."""
     from trainer.config import parse_args
     from trainer.env import device_type
-    from trainer.errors import UserError, one_line
+    from trainer.errors import UserError, error_lines
     from trainer.plan import build_job_plan, degrees_product
 
     try:
@@ -50,7 +50,8 @@ def check_config(args) -> int:
             build_job_plan(invocation.config, world or degrees_product(invocation.config),
                            check_memory=device_type() != "cuda")
     except UserError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        for line in error_lines(e):
+            print(f"error: {line}", file=sys.stderr)
         return 2
     return 0
 

@@ -10,7 +10,7 @@ recomputes what it holds.
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
@@ -171,6 +171,9 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
                               " tensor_parallel_degree > 1: not supported yet; drop one of the three")
     if dims.pp > 1:
         _check_frontend(config, spec, args, dims)
+    elif unused := _unused_pipeline_keys(p):
+        logger.warning("[parallelism] pipeline_parallel_degree = 1: %s not used; the model runs whole, without a"
+                       " pipeline schedule", ", ".join(unused))
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
         raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
     if check_memory:  # before the model is built: absurd sequence lengths overflow even meta tensors
@@ -220,6 +223,15 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
             n_micro, pipeline.num_stages, "unknown" if bubble is None else f"{100 * bubble:.0f}%",
         )
     return plan
+
+
+def _unused_pipeline_keys(parallelism) -> list[str]:
+    """The pipeline keys set to other than their defaults (``key = value``), which a job without
+    pipeline stages ignores."""
+    default = type(parallelism)()
+    return [f"{f.name} = {getattr(parallelism, f.name)!r}" for f in fields(parallelism)
+            if f.name.startswith("pipeline_parallel_") and f.name != "pipeline_parallel_degree"
+            and getattr(parallelism, f.name) != getattr(default, f.name)]
 
 
 def degrees_product(config: JobConfig) -> int:

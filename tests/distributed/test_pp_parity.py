@@ -155,4 +155,5 @@ def check_timeline(path, schedule, *, pp, n_micro):
         assert all(end <= nxt for (_, end, _), (nxt, _, _) in zip(spans, spans[1:])), spans
     assert set(trace["otherData"]["bubble"]) == {"0", "1"}
     assert 0 < trace["otherData"]["model_span_us"]  # the schedule replayed with these actions' times
-    assert path.with_suffix(".svg").read_text().count("<rect") == 2 * sum(len(e) for e in expected)  # + simulated
+    # one box per action (a <rect> holding its <title>) measured, then replayed with the measured times
+    assert path.with_suffix(".svg").read_text().count("><title>") == 2 * sum(len(e) for e in expected)

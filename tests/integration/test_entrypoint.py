@@ -50,6 +50,17 @@ def test_user_errors_are_one_line_without_traceback(args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_every_mistake_of_a_config_file_is_one_line(tmp_path):
+    """Two unknown keys in the job file: both reported, one "error:" line each, exit 2, no traceback."""
+    job = tmp_path / "job.toml"
+    job.write_text('[training]\nstpes = 5\n[optimizer]\nlearning_rate = 1e-3\n')
+    proc = launch([sys.executable, "train.py", "--job.config_file", str(job)])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["error", "error"], lines
+    assert "[training] stpes: unknown key" in lines[0] and "[optimizer] learning_rate: unknown key" in lines[1]
+
+
 def test_runtime_user_error_is_one_line(tmp_path):
     """A file that exists but is not a tokenizer fails at start-up with one line naming the key."""
     bad = tmp_path / "tok.model"

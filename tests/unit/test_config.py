@@ -331,6 +331,22 @@ def test_toml_errors_name_the_key_and_file(tmp_path, text, words):
         assert "bad.toml" in message  # where the value came from
 
 
+def test_every_unknown_key_of_a_file_is_reported_at_once(tmp_path):
+    """Four misspellings in one file: four errors, one line each, in file order, none lost; a
+    well-formed key between them is still read (its value is checked like any other)."""
+    from trainer.errors import ConfigErrors, error_lines
+
+    path = write(tmp_path, "bad.toml", '[job]\ndescriptin = "x"\n[training]\nstep = 3\nsteps = 4\nlr = 1\n'
+                                       '[optimiser]\nlr = 1\n')
+    with pytest.raises(ConfigErrors) as info:
+        load_config(path)
+    lines = error_lines(info.value)
+    assert [line.split(":")[0] for line in lines] == ["[job] descriptin", "[training] step", "[training] lr",
+                                                      "[optimiser]"]
+    assert all("bad.toml" in line and "\n" not in line for line in lines)
+    assert "did you mean [optimizer] lr?" in lines[2]
+
+
 def test_extends_cycle(tmp_path):
     write(tmp_path, "a.toml", 'extends = "b.toml"\n')
     write(tmp_path, "b.toml", 'extends = "a.toml"\n')

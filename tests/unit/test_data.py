@@ -58,6 +58,14 @@ def test_custom_tokenizer_file_and_corrupt_file(tmp_path, tok):
     bad.write_text("this is not a tokenizer\n")
     with pytest.raises(UserError, match="tokenizer_path: .*bad.model is not a tiktoken BPE file"):
         Tokenizer(bad)
+    empty = tmp_path / "empty.model"
+    empty.write_text("")
+    with pytest.raises(UserError, match="tokenizer_path: .*empty.model holds no BPE ranks"):
+        Tokenizer(empty)
+    no_tab = tmp_path / "no_tab.model"  # byte 9 (tab) missing: tiktoken could not encode a tab
+    no_tab.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i - (i > 9)}\n" for i in range(256) if i != 9))
+    with pytest.raises(UserError, match=r"no_tab.model lacks 1 of the 256 single-byte tokens \(first: b'\\t'\)"):
+        Tokenizer(no_tab)
 
 
 def lane_windows(tok, docs, lane, lanes, count, window=8):

@@ -343,6 +343,9 @@ def test_dry_run_plans_8b_on_64_ranks(tmp_path):
     assert "0      0        tok_embeddings, layers.0-3" in text
     assert "7      0        layers.29-31, norm, output" in text
     assert (tmp_path / "pipeline_schedule.txt").read_text().startswith("rank 0: 0F0")
+    # the one file a dry run writes, and it says so
+    assert f"Wrote the schedule timeline (action order per rank) to {tmp_path / 'pipeline_schedule.txt'}" in text
+    assert [f.name for f in tmp_path.iterdir()] == ["pipeline_schedule.txt"]
     assert "Front-end: manual" in text
     assert torch.distributed.is_initialized() is False  # no process group was needed
 
@@ -486,3 +489,22 @@ def test_modules_that_change_in_evaluation_are_refused_by_the_tracer():
     plan = PipelinePlan((Stage(0, ("0",), True, False), Stage(1, ("1",), False, True)), 2, "1F1B", "loop")
     with pytest.raises(ConfigError, match="the model has Dropout, which a traced graph would keep in training mode"):
         trace_pipeline(model, plan, "layers", torch.ones(1, 4))
+
+
+def test_pipeline_keys_at_pp_1_are_reported_as_unused(caplog):
+    """A multi-stage schedule (or any pipeline key) at pipeline_parallel_degree 1 trains a plain step:
+    one warning names every such key; with the pipeline defaults nothing is said."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        plan = load_plan(["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+                          "--parallelism.pipeline_parallel_split_points", "layers.2"])
+    assert plan.pipeline is None
+    lines = [r.getMessage() for r in caplog.records if "pipeline_parallel_degree = 1" in r.getMessage()]
+    assert lines == ["[parallelism] pipeline_parallel_degree = 1: pipeline_parallel_split_points = ['layers.2'],"
+                     " pipeline_parallel_schedule = 'ZBVZeroBubble' not used; the model runs whole, without a"
+                     " pipeline schedule"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_plan([])
+    assert "pipeline_parallel_degree = 1" not in caplog.text

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from trainer.config.fields import FieldSpec, check_value, parse_cli_value, parse_toml_literal, section_fields
 from trainer.config.schema import JobConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, ConfigErrors
 
 Flat = dict[tuple[str, ...], tuple[Any, str]]
 Action = Literal["train", "help", "print-config", "dry-run"]
@@ -75,18 +75,22 @@ def _unknown_key(prefix: tuple[str, ...], key: str, fields: dict[str, FieldSpec]
     return ConfigError(msg)
 
 
-def _flatten(data: dict, cls: type, prefix: tuple[str, ...], origin: str, out: Flat) -> None:
+def _flatten(data: dict, cls: type, prefix: tuple[str, ...], origin: str, out: Flat,
+             unknown: list[ConfigError]) -> None:
+    """Add ``data``'s keys to ``out``; each unknown section or key is added to ``unknown`` (so that a
+    file's every misspelling is reported at once) and the rest of the file is still read."""
     fields = section_fields(cls)
     for key, value in data.items():
         spec = fields.get(key)
         if spec is None:
-            raise _unknown_key(prefix, key, fields, origin)
+            unknown.append(_unknown_key(prefix, key, fields, origin))
+            continue
         path = prefix + (key,)
         if spec.kind in ("section", "dict"):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key_name(path)}: must be a table, got {value!r} ({origin})")
             if spec.kind == "section":
-                _flatten(value, spec.section, path, origin, out)
+                _flatten(value, spec.section, path, origin, out, unknown)
             else:
                 for entry, entry_value in value.items():
                     out[path + (entry,)] = (entry_value, origin)
@@ -122,7 +126,12 @@ def read_toml(path: str | Path, _chain: tuple[Path, ...] = ()) -> Flat:
         if not isinstance(base, str):
             raise ConfigError(f"{EXTENDS_KEY}: expected a file name string, got {base!r} ({path})")
         flat.update(read_toml(path.parent / base, _chain + (resolved,)))
-    _flatten(data, JobConfig, (), str(path), flat)
+    unknown: list[ConfigError] = []
+    _flatten(data, JobConfig, (), str(path), flat, unknown)
+    if len(unknown) == 1:
+        raise unknown[0]
+    if unknown:
+        raise ConfigErrors(unknown)
     return flat
 
 

@@ -71,6 +71,11 @@ class Tokenizer:
             if max_ranks < 256:
                 raise UserError(f"[model] tokenizer_vocab_size={max_ranks} must keep at least the 256 byte tokens")
             ranks = {token: rank for token, rank in ranks.items() if rank < max_ranks}
+        if not ranks:
+            raise UserError(f"[model] tokenizer_path: {path} holds no BPE ranks (an empty tiktoken file)")
+        if missing := [b for b in range(256) if bytes([b]) not in ranks]:
+            raise UserError(f"[model] tokenizer_path: {path} lacks {len(missing)} of the 256 single-byte tokens (first:"
+                            f" {bytes(missing[:1])!r}); text holding those bytes could not be encoded")
         num_ranks = len(ranks)
         if sorted(ranks.values()) != list(range(num_ranks)):
             raise UserError(f"[model] tokenizer_path: {path}: ranks are not 0..{num_ranks - 1}")
