@@ -160,6 +160,22 @@ def _is_full(path: Path) -> bool:
     return any(key.startswith("train_state.") for key in keys)
 
 
+def _groups(keys: list[str]) -> list[str]:
+    """Tensor names grouped by block (``layers.4.*``) where they sit in a numbered container."""
+    out: list[str] = []
+    for key in keys:
+        parts = key.split(".")
+        group = f"{parts[0]}.{parts[1]}.*" if len(parts) > 2 and parts[1].isdigit() else key
+        if group not in out:
+            out.append(group)
+    return out
+
+
+def _tensor_groups(keys: list[str], shown: int = 6) -> str:
+    groups = _groups(keys)
+    return ", ".join(groups[:shown]) + (f", ... ({len(groups) - shown} more)" if len(groups) > shown else "")
+
+
 class Checkpointer:
     """Saves and restores one rank's share of the training state."""
 
@@ -355,6 +371,30 @@ class Checkpointer:
                        aside.name)
         return aside.name
 
+    def _check_model_tensors(self, path: Path, saved: set[str]) -> None:
+        """The checkpoint's model tensors against the whole model's (every pipeline stage's, so every rank
+        decides alike): tensors the model lacks would be dropped, which only an explicit
+        ``exclude_from_loading = ["model.<name>"]`` allows. (Tensors the model has and the checkpoint
+        lacks, or of another shape, fail in DCP's load.)"""
+        model = {self._canonical(k) for k in self.spec.meta_model(self.args).state_dict()}
+        left = [e[len("model."):] for e in self.cfg.exclude_from_loading if e.startswith("model.")]
+        for prefix in left:
+            if any(k == prefix or k.startswith(prefix + ".") for k in model):
+                raise UserError(f"[checkpoint] exclude_from_loading: 'model.{prefix}' names tensors this model has;"
+                                " only tensors the model lacks can be left behind (exclude 'model' to load no weights)")
+        extra = sorted(saved - model)
+        dropped = [k for k in extra if any(k == e or k.startswith(e + ".") for e in left)]
+        refused = [k for k in extra if k not in dropped]
+        if refused:
+            raise UserError(
+                f"[checkpoint] {path} holds {len(refused)} model tensors this model lacks ({_tensor_groups(refused)});"
+                " loading would drop them. Resume with the model they were saved from, or leave them behind with"
+                f" [checkpoint] exclude_from_loading = {['model.' + g.removesuffix('.*') for g in _groups(refused)]}"
+            )
+        if dropped:
+            logger.warning("checkpoint %s: leaving behind %d model tensors this model lacks (%s), as [checkpoint]"
+                           " exclude_from_loading asks", path, len(dropped), _tensor_groups(dropped))
+
     def _load(self, path: Path, step: int | None) -> int:
         try:
             saved = set(_dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata)
@@ -369,6 +409,8 @@ class Checkpointer:
             raise UserError(f"[checkpoint] {path} holds no model weights")
         if missing:
             logger.warning("checkpoint %s has no %s (model-only save); starting those fresh", path, ", ".join(missing))
+        if "model" in wanted:
+            self._check_model_tensors(path, {k[len("model."):] for k in saved if k.startswith("model.")})
         wanted = [p for p in wanted if p in parts_in_file]
         world = dist.get_world_size() if dist.is_initialized() else 1
         if "rng" in wanted and not all(f"rng.rank{r}.cpu" in saved for r in range(world)):

@@ -193,6 +193,24 @@ def test_checkpoint_errors(tmp_path):
         train(base, tmp_path / "c")
 
 
+def test_resume_into_a_model_with_fewer_layers_names_the_dropped_tensors(tmp_path):
+    """Saved with 3 blocks, resumed with 2: block 2's tensors have nowhere to go. That is an error naming them,
+    unless [checkpoint] exclude_from_loading leaves them behind by name; excluding tensors the model has is refused."""
+    base = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
+    train(base + ["--model.overrides.n_layers", "3", "--training.stop_at_step", "2"], tmp_path)
+    fewer = base + ["--model.overrides.n_layers", "2", "--checkpoint.load_step", "2"]
+    with pytest.raises(UserError, match=r"step-2 holds \d+ model tensors this model lacks \(layers\.2\.\*\);.*"
+                                        r"exclude_from_loading = \['model\.layers\.2'\]"):
+        train(fewer, tmp_path)
+    with pytest.raises(UserError, match=r"'model\.layers\.1' names tensors this model has"):
+        train(fewer + ["--checkpoint.exclude_from_loading", "model.layers.1"], tmp_path)
+    left = train(fewer + ["--checkpoint.exclude_from_loading", "model.layers.2"], tmp_path)
+    # Blocks 0 and 1 come from the checkpoint: the resumed loss is the trained model's, below a fresh 2-block start.
+    fresh = train(["--training.local_batch_size", "8", "--training.steps", "2", "--model.overrides.n_layers", "2"],
+                  tmp_path / "fresh")
+    assert len(left.losses) == 2 and left.losses[0] < fresh.losses[0]
+
+
 def test_random_generator_state_is_restored(tmp_path, monkeypatch):
     import trainer.checkpoint as ckpt
 

@@ -258,7 +258,7 @@ class Checkpoint:
     fallback_on_damage: bool = True
     """When the checkpoint to resume from fails verification: move it aside to step-N.damaged and resume from the previous complete one, with a warning; false = stop with an error. An explicit load_step never falls back."""
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts of the state not to load: model, optimizer, dataloader, train_state (step counter and LR schedule), rng."""
+    """Parts of the state not to load: model, optimizer, dataloader, train_state (step counter and LR schedule), rng; or 'model.<name>': saved model tensors under <name> (e.g. model.layers.4) that this model lacks, left behind instead of refusing the checkpoint."""
     last_save_model_only: bool = True
     """At the last step, also write the weights alone (in export_dtype) to <folder>/model-step-N; the full, resumable step-N is saved too."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"

@@ -160,9 +160,12 @@ def _check_checkpoint(config: JobConfig) -> None:
                 "[checkpoint] exclude_from_loading: 'lr_scheduler' is not a separate part: the LR schedule follows the"
                 " step counter; exclude 'train_state' to restart both"
             )
+        if name.startswith("model.") and len(name) > len("model."):
+            continue  # saved model tensors to leave behind (checked against the model when loading)
         if name not in CHECKPOINT_PARTS:
             raise ConfigError(
-                f"[checkpoint] exclude_from_loading: unknown part {name!r} (parts: {', '.join(CHECKPOINT_PARTS)})"
+                f"[checkpoint] exclude_from_loading: unknown part {name!r} (parts: {', '.join(CHECKPOINT_PARTS)};"
+                " or 'model.<name>' for saved model tensors the model lacks)"
             )
 
 
