@@ -256,3 +256,19 @@ def test_a_csv_schedule_is_planned_by_its_own_actions(tmp_path):
         assert steps[schedule] == pytest.approx(named.pipeline.search.best[0].makespan, rel=1e-12)
         assert "Predicted step: csv" in describe_plan(csv)
     assert steps["Interleaved1F1B"] > steps["InterleavedZeroBubble"] * 1.01
+
+
+def test_among_equal_steps_the_most_even_stages_win():
+    """ZBV on 2 ranks, 4 stages, equal blocks and a heavy output: rank 0 (stages 0 and 3) decides the step,
+    and rank 1 may divide its blocks between stages 1 and 2 any way without changing it. Of those ties the
+    planner keeps the evenest division (smallest sum of squared stage loads), in both search paths."""
+    parts = {"F": (0.0,) + (1.0,) * 12 + (20.0,), "I": (0.0,) + (1.0,) * 12 + (20.0,),
+             "W": (0.0,) + (1.0,) * 12 + (20.0,)}
+    parts["B"] = tuple(i + w for i, w in zip(parts["I"], parts["W"]))
+    sim = Simulator(PartCosts(parts, {k: 0.0 for k in KINDS}, 0.0, "units", "test"), program_for("ZBVZeroBubble", 2, 4, 2))
+    # stage 1 up to 5 blocks: the step does not change (stage 1's first forward is off rank 0's path)
+    ties = {c: sim.predict(c).makespan for c in ((1, a, 10 - a, 1) for a in range(1, 6))}
+    assert len(set(ties.values())) == 1 and min(brute_force(sim)) == next(iter(ties.values()))
+    for search in (search_splits(sim), search_splits(sim, budget=40, enumerate_up_to=0)):
+        assert search.best[0].makespan == next(iter(ties.values()))
+        assert search.best[0].counts == (1, 5, 5, 1), (search.exact, [p.counts for p in search.best])

@@ -86,12 +86,21 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     if budget is None:
         budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions), 1))
     total = math.comb(n - 1, stages - 1)
-    kept: list[tuple[float, tuple[int, ...], Prediction]] = []  # max-heap by makespan (negated)
+    # A max-heap of the best by (makespan, then the sum of squared stage loads), negated: where the
+    # simulation cannot tell splits apart (a rank off the critical path holds two stages: any division
+    # of its blocks between them ties), the most even stages win, as they are the least exposed to
+    # costs the model misses.
+    kept: list[tuple[float, float, tuple[int, ...], Prediction]] = []
     seen: set[tuple[int, ...]] = set()
     state = {"evaluated": 0, "refused": 0}
 
     def threshold() -> float:
         return -kept[0][0] if len(kept) == keep else math.inf
+
+    def rank_key(pred: Prediction) -> tuple[float, float]:
+        table = sim.costs.stage_table(pred.counts)
+        # makespans equal but for rounding count as ties
+        return float(f"{pred.makespan:.9g}"), sum(sim.stage_load(table, s) ** 2 for s in range(sim.program.num_stages))
 
     def evaluate(counts: tuple[int, ...]) -> Prediction | None:
         if counts in seen:
@@ -102,10 +111,12 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
             state["refused"] += 1
             return None
         pred = sim.predict(counts)
-        if pred.makespan < threshold():
-            heapq.heappush(kept, (-pred.makespan, counts, pred))
-            if len(kept) > keep:
-                heapq.heappop(kept)
+        if pred.makespan <= threshold() * (1 + 1e-8):
+            makespan, spread = rank_key(pred)
+            if len(kept) < keep or (makespan, spread) < (-kept[0][0], -kept[0][1]):
+                heapq.heappush(kept, (-makespan, -spread, counts, pred))
+                if len(kept) > keep:
+                    heapq.heappop(kept)
         return pred
 
     if total <= (budget if enumerate_up_to is None else enumerate_up_to):
@@ -216,7 +227,7 @@ def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, 
 
 
 def _result(kept, total: int, state: dict, *, exact: bool, lower: float | None) -> SplitSearch:
-    best = tuple(p for _, _, p in sorted(kept, key=lambda k: (-k[0], k[1])))
+    best = tuple(p for *_, p in sorted(kept, key=lambda k: (-k[0], -k[1], k[2])))
     if best:
         lower = best[0].makespan if lower is None else min(lower, best[0].makespan)
     return SplitSearch(best, total, state["evaluated"], exact, lower if lower is not None else math.inf,
