@@ -19,6 +19,7 @@ model and optimizer state to whatever this run's chunks and shards are.
 """
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import logging
@@ -176,19 +177,31 @@ def _tensor_groups(keys: list[str], shown: int = 6) -> str:
     return ", ".join(groups[:shown]) + (f", ... ({len(groups) - shown} more)" if len(groups) > shown else "")
 
 
+@dataclasses.dataclass(frozen=True)
+class GlobalBatch:
+    """A run's global batch: ``sequences`` per optimizer step, ``derived`` from the layout (global_batch_size = -1)
+    or set, and ``how`` it is made up (for messages)."""
+
+    sequences: int
+    derived: bool
+    how: str
+
+
 class Checkpointer:
     """Saves and restores one rank's share of the training state."""
 
     def __init__(self, checkpoint: schema.Checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
-                 pp_rank: int = 0, pp: int = 1, hf_writer: bool = True):
+                 pp_rank: int = 0, pp: int = 1, hf_writer: bool = True, batch: "GlobalBatch | None" = None):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
-        rank's file of a Hugging Face export (one writer per pipeline rank)."""
+        rank's file of a Hugging Face export (one writer per pipeline rank). ``batch`` is this run's global
+        batch, saved with the step and compared on resume."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
         self.spec, self.args = spec, model_args
         self.aliases = spec.tied_aliases(model_args)
         self.pp_rank, self.pp, self.hf_writer = pp_rank, pp, hf_writer
+        self.batch = batch
         self.pending = None  # (future, name) of an asynchronous save in flight
         self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
 
@@ -223,6 +236,8 @@ class Checkpointer:
         state["optimizer"] = self._optimizer_state()
         state["dataloader"] = {k: torch.tensor(v) for k, v in position.items()}
         state["train_state"] = {"step": torch.tensor(step)}
+        if self.batch is not None:
+            state["train_state"]["global_batch"] = torch.tensor(self.batch.sequences)
         state["rng"] = self._rng_state()
         return state
 
@@ -395,6 +410,19 @@ class Checkpointer:
             logger.warning("checkpoint %s: leaving behind %d model tensors this model lacks (%s), as [checkpoint]"
                            " exclude_from_loading asks", path, len(dropped), _tensor_groups(dropped))
 
+    def _check_global_batch(self, path: Path, saved: int, step: int) -> None:
+        """The run continues with the global batch it was saved with, unless the user sets another one: a batch
+        derived from the layout (global_batch_size = -1) that would change is refused."""
+        if self.batch is None or saved == self.batch.sequences:
+            return
+        if self.batch.derived:
+            raise UserError(
+                f"[training] global_batch_size: {path} was trained with a global batch of {saved} sequences; this run's"
+                f" would be {self.batch.sequences} ({self.batch.how}). Set [training] global_batch_size = {saved} to keep"
+                f" it (gradient accumulation makes up the difference), or to {self.batch.sequences} to change it on purpose")
+        logger.warning("the global batch changes from %d to %d sequences at step %d ([training] global_batch_size), as"
+                       " configured; the optimisation continues with the new batch", saved, self.batch.sequences, step + 1)
+
     def _load(self, path: Path, step: int | None) -> int:
         try:
             saved = set(_dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata)
@@ -413,15 +441,19 @@ class Checkpointer:
             self._check_model_tensors(path, {k[len("model."):] for k in saved if k.startswith("model.")})
         wanted = [p for p in wanted if p in parts_in_file]
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if "rng" in wanted and not all(f"rng.rank{r}.cpu" in saved for r in range(world)):
+        saved_ranks = {int(m.group(1)) for k in saved if (m := re.fullmatch(r"rng\.rank(\d+)\.cpu", k))}
+        if "rng" in wanted and saved_ranks != set(range(world)):
             # Saved by another number of ranks: generator states do not map one to one. Every
             # rank sees the same metadata, so every rank makes the same choice.
-            logger.warning("checkpoint %s was saved by another number of ranks; random generators start fresh", path)
+            logger.warning("checkpoint %s holds the random generator states of %d ranks and this run has %d; random"
+                           " generators start fresh", path, len(saved_ranks), world)
             wanted.remove("rng")
         if "optimizer" in wanted:
             self.optimizers.init_state()  # Adam's state exists only after a step; DCP loads into it
         full = self._state(step or 0)
         state = {k: v for k, v in full.items() if k in wanted}
+        if "train_state" in state:  # what this checkpoint's train state holds (older saves lack the batch)
+            state["train_state"] = {k: v for k, v in state["train_state"].items() if f"train_state.{k}" in saved}
         if "dataloader" in state:  # every saved key: a stream's lanes were saved by the ranks that own them
             state["dataloader"] = {k.split(".", 1)[1]: torch.tensor(0) for k in saved if k.startswith("dataloader.")}
         dcp = _dcp()
@@ -445,6 +477,8 @@ class Checkpointer:
                 chunk_state = {k: state["optimizer"][self._canonical(k)] for k in keys}
                 dcp.state_dict.set_optimizer_state_dict(chunk, opt, chunk_state, options=_optim_options())
         resumed = int(state["train_state"]["step"]) if "train_state" in state else 0
+        if "global_batch" in state.get("train_state", {}):
+            self._check_global_batch(path, int(state["train_state"]["global_batch"]), resumed)
         # The LR schedule continues from the step the run continues from (0 when train_state is
         # excluded: both restart), so the schedule and the step counter always agree.
         self.optimizers.set_schedule_position(resumed)

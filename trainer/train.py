@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.activation_memory import activation_peaks
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, GlobalBatch
 from trainer.config import JobConfig, to_toml
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
 from trainer.dtensor import full_tensor, local_tensor
@@ -223,6 +223,9 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         config.checkpoint, dump_folder=config.job.dump_folder, chunks=parts.chunks, optimizers=optimizers,
         loader=loader, spec=plan.spec, model_args=plan.model_args, pp_rank=pp_rank, pp=dims.pp,
         hf_writer=not dist.is_initialized() or dist.get_rank() % (dims.world_size // dims.pp) == 0,
+        batch=GlobalBatch(plan.global_batch_size, config.training.global_batch_size == -1,
+                          f"local {config.training.local_batch_size} x data-parallel {dims.dp}"
+                          f" x accumulation {plan.accum_steps}"),
     )
     timeline = None
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:

@@ -40,7 +40,7 @@ def test_exact_resume_single_process(tmp_path, async_mode):
 
 
 @pytest.mark.slow
-def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path):
+def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
     P = "--parallelism."
     layout = ["--model.overrides.n_layers", "4", P + "pipeline_parallel_degree", "2", P + "data_parallel_shard_degree",
               "2", P + "pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "4",
@@ -63,6 +63,10 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path):
     single, tensors = record(load_config(overrides=PARITY + [
         "--model.overrides.n_layers", "4", "--training.local_batch_size", "8", "--training.steps", "6", *CKPT,
         "--checkpoint.load_step", "3", "--job.dump_folder", str(tmp_path / "r")]))
+    # Four ranks' generator states do not map onto one: they start fresh, said once, and rng is not listed as restored.
+    assert "holds the random generator states of 4 ranks and this run has 1; random generators start fresh" in caplog.text
+    resumed_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed from"))
+    assert "rng" not in resumed_line and "model" in resumed_line
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
     assert single.grad_norms == pytest.approx(straight["grad_norms"][3:], rel=1e-5)
     other_layout = compare(tensors, after)
@@ -209,6 +213,27 @@ def test_resume_into_a_model_with_fewer_layers_names_the_dropped_tensors(tmp_pat
     fresh = train(["--training.local_batch_size", "8", "--training.steps", "2", "--model.overrides.n_layers", "2"],
                   tmp_path / "fresh")
     assert len(left.losses) == 2 and left.losses[0] < fresh.losses[0]
+
+
+def test_resume_keeps_the_saved_global_batch_or_says_it_changes(tmp_path, caplog):
+    """Saved at a global batch of 8 sequences. A resume whose batch is derived from its layout
+    (global_batch_size = -1) and would be 4 stops with one line naming the key; the saved batch set
+    explicitly on a narrower layout continues exactly (2 accumulation steps of 4); another batch set
+    explicitly is taken, with a warning."""
+    args = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
+    straight = train(args, tmp_path / "straight")
+    train(args + ["--training.stop_at_step", "2"], tmp_path)
+    derived = ["--training.local_batch_size", "4", "--training.global_batch_size", "-1"]
+    with pytest.raises(UserError, match=r"\[training\] global_batch_size: .*step-2 was trained with a global batch of 8"
+                                        r" sequences; this run's would be 4 \(local 4 x data-parallel 1 x accumulation 1\)"):
+        train(args + derived, tmp_path)
+    kept = train(args + ["--training.local_batch_size", "4"], tmp_path)  # PARITY sets global_batch_size = 8
+    assert kept.losses == pytest.approx(straight.losses[2:], rel=1e-5)
+    assert "global batch changes" not in caplog.text
+    changed = train(args + ["--training.local_batch_size", "4", "--training.global_batch_size", "4",
+                            "--checkpoint.load_step", "2"], tmp_path)
+    assert len(changed.losses) == 2
+    assert "the global batch changes from 8 to 4 sequences at step 3" in caplog.text
 
 
 def test_random_generator_state_is_restored(tmp_path, monkeypatch):
