@@ -4,19 +4,21 @@
 #   NNODES=2 NGPU=8 RDZV_ENDPOINT=node0:29500 ./run_train.sh ...    # the same command on every node
 # Environment knobs:
 #   NGPU           processes to start on this node (default 1; works without a GPU: CPU processes talk over gloo)
-#   CONFIG_FILE    TOML job file (default configs/debug_model.toml)
+#   CONFIG_FILE    TOML job file (default: this folder's configs/debug_model.toml)
 #   LOG_RANK       comma-separated local ranks whose output is shown (default: all)
 #   NNODES         nodes in the job (default 1: a standalone job on this machine)
 #   RDZV_ENDPOINT  host:port every node can reach, for torchrun's c10d rendezvous (default
 #                  MASTER_ADDR:MASTER_PORT; required when NNODES > 1)
 #   RDZV_ID        job id shared by the nodes of one job (default SLURM_JOB_ID, else "trainer")
 # Everything else on the command line is forwarded to train.py as config overrides.
+# Relative paths (CONFIG_FILE, dump_folder, dataset_path, ...) are taken from the folder you run this
+# from, as for any command; the script itself may live elsewhere.
 set -euo pipefail
-cd "$(dirname "$0")"
+here=$(cd "$(dirname "$0")" && pwd)
 
 NGPU=${NGPU:-1}
 NNODES=${NNODES:-1}
-CONFIG_FILE=${CONFIG_FILE:-./configs/debug_model.toml}
+CONFIG_FILE=${CONFIG_FILE:-$here/configs/debug_model.toml}
 LOG_RANK=${LOG_RANK:-}
 PYTHON=${PYTHON:-python}
 
@@ -29,7 +31,14 @@ if ! [[ "$NNODES" =~ ^[1-9][0-9]*$ ]]; then
     exit 2
 fi
 if [ ! -f "$CONFIG_FILE" ]; then
-    echo "error: CONFIG_FILE=$CONFIG_FILE: file not found" >&2
+    message="error: CONFIG_FILE=$CONFIG_FILE: file not found"
+    if [[ "$CONFIG_FILE" != /* ]]; then
+        message="$message (looked for $PWD/$CONFIG_FILE)"
+        if [ -f "$here/$CONFIG_FILE" ]; then
+            message="$message; the trainer's folder has one: CONFIG_FILE=$here/$CONFIG_FILE"
+        fi
+    fi
+    echo "$message" >&2
     exit 2
 fi
 
@@ -56,5 +65,6 @@ fi
 # --check-config: the launcher checks the config and job plan for NNODES x NGPU ranks before it
 # starts any process (a bad key fails here with one line), sharing its torch import with torchrun.
 # ${filter[@]+...}: an empty array expands to nothing under set -u on every bash (3.2 included)
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"  # the trainer package, also when not installed
 exec "$PYTHON" -m trainer.launch --check-config "${rendezvous[@]}" --nproc-per-node="$NGPU" \
-    ${filter[@]+"${filter[@]}"} --role rank --tee 3 train.py --job.config_file "$CONFIG_FILE" "$@"
+    ${filter[@]+"${filter[@]}"} --role rank --tee 3 "$here/train.py" --job.config_file "$CONFIG_FILE" "$@"

@@ -177,6 +177,11 @@ def _tensor_groups(keys: list[str], shown: int = 6) -> str:
     return ", ".join(groups[:shown]) + (f", ... ({len(groups) - shown} more)" if len(groups) > shown else "")
 
 
+def _digest(text: str) -> int:
+    """A 63-bit fingerprint of ``text``, storable as an int64 tensor."""
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
 @dataclasses.dataclass(frozen=True)
 class GlobalBatch:
     """A run's global batch: ``sequences`` per optimizer step, ``derived`` from the layout (global_batch_size = -1)
@@ -191,10 +196,11 @@ class Checkpointer:
     """Saves and restores one rank's share of the training state."""
 
     def __init__(self, checkpoint: schema.Checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
-                 pp_rank: int = 0, pp: int = 1, hf_writer: bool = True, batch: "GlobalBatch | None" = None):
+                 pp_rank: int = 0, pp: int = 1, hf_writer: bool = True, batch: "GlobalBatch | None" = None,
+                 tokenizer: str = ""):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
         rank's file of a Hugging Face export (one writer per pipeline rank). ``batch`` is this run's global
-        batch, saved with the step and compared on resume."""
+        batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer's identity, likewise."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
@@ -202,6 +208,7 @@ class Checkpointer:
         self.aliases = spec.tied_aliases(model_args)
         self.pp_rank, self.pp, self.hf_writer = pp_rank, pp, hf_writer
         self.batch = batch
+        self.tokenizer = tokenizer
         self.pending = None  # (future, name) of an asynchronous save in flight
         self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
 
@@ -238,6 +245,8 @@ class Checkpointer:
         state["train_state"] = {"step": torch.tensor(step)}
         if self.batch is not None:
             state["train_state"]["global_batch"] = torch.tensor(self.batch.sequences)
+        if self.tokenizer:
+            state["train_state"]["tokenizer"] = torch.tensor(_digest(self.tokenizer))
         state["rng"] = self._rng_state()
         return state
 
@@ -269,7 +278,13 @@ class Checkpointer:
                        background=False)
 
     def _save(self, state: dict, name: str, *, background: bool) -> None:
-        tmp = self.folder / f"{name}.tmp"
+        tmp, final = self.folder / f"{name}.tmp", self.folder / name
+        # Something not ours where the checkpoint goes: stop before writing, on every rank alike (they see
+        # the same folder), rather than fail in the rename on rank 0 alone or delete the user's file.
+        for path in (final, tmp):
+            if path.exists() and not path.is_dir():
+                raise UserError(f"[checkpoint] folder: {path} is a file, where checkpoint {name} is to be saved;"
+                                f" move it away and resume (the checkpoints saved so far are kept)")
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -424,6 +439,10 @@ class Checkpointer:
                        " configured; the optimisation continues with the new batch", saved, self.batch.sequences, step + 1)
 
     def _load(self, path: Path, step: int | None) -> int:
+        if step is not None and self.cfg.initial_load_path:
+            logger.warning("[checkpoint] initial_load_path %s is not used: the run resumes its own checkpoint %s"
+                           " (initial_load_path only starts a run that has no checkpoint yet)",
+                           self.cfg.initial_load_path, path)
         try:
             saved = set(_dcp().FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         except Exception as e:  # missing or unreadable .metadata
@@ -468,9 +487,13 @@ class Checkpointer:
                 f"[checkpoint] cannot load {path} into this model ({first[:300]}); was it saved from another"
                 " model shape?"
             ) from None
-        for chunk in self.chunks:
-            keys = dcp.state_dict.get_model_state_dict(chunk).keys()
-            dcp.state_dict.set_model_state_dict(chunk, {k: state["model"][self._canonical(k)] for k in keys})
+        if "model" in state:
+            for chunk in self.chunks:
+                keys = dcp.state_dict.get_model_state_dict(chunk).keys()
+                dcp.state_dict.set_model_state_dict(chunk, {k: state["model"][self._canonical(k)] for k in keys})
+        else:
+            logger.warning("checkpoint %s: model weights not loaded ([checkpoint] exclude_from_loading); the run"
+                           " continues from freshly initialised weights", path)
         if "optimizer" in state:
             for chunk, opt in zip(self.chunks, self.optimizers.optimizers):
                 keys = dcp.state_dict.get_optimizer_state_dict(chunk, opt, options=_optim_options()).keys()
@@ -479,6 +502,12 @@ class Checkpointer:
         resumed = int(state["train_state"]["step"]) if "train_state" in state else 0
         if "global_batch" in state.get("train_state", {}):
             self._check_global_batch(path, int(state["train_state"]["global_batch"]), resumed)
+        if "tokenizer" in state.get("train_state", {}) and "model" in wanted and self.tokenizer:
+            if int(state["train_state"]["tokenizer"]) != _digest(self.tokenizer):
+                raise UserError(f"[model] tokenizer_path: {path} was trained with another tokenizer than this run's"
+                                f" ({self.tokenizer}): its token ids would mean other text. Resume with the tokenizer it"
+                                " was trained with, or start a new run from its weights with [checkpoint]"
+                                " initial_load_path")
         # The LR schedule continues from the step the run continues from (0 when train_state is
         # excluded: both restart), so the schedule and the step counter always agree.
         self.optimizers.set_schedule_position(resumed)

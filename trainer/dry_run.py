@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from trainer.activation_memory import activation_peaks
+from trainer.config.validate import mix_entries
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
 from trainer.parallel.pipeline_planner import Simulator, search_splits
 from trainer.parallel.schedule_sim import program_for, timeline
@@ -35,14 +36,14 @@ def _data_line(config) -> str:
     t = config.training
     opts = t.dataloader
     if t.dataset_mix:
-        source = "mix " + ", ".join(f"{name} x{weight:g}" for name, weight in t.dataset_mix.items())
+        source = "mix " + ", ".join(f"{e.name} x{e.weight:g} split {e.split!r}" for e in mix_entries(t))
     else:
-        source = t.dataset_path or t.dataset
+        source = f"{t.dataset_path or t.dataset} (split {opts.split!r})"
     streamed = not t.dataset_mix and not t.dataset_path and t.dataset != "python_docs" and opts.streaming
     how = ("streamed: every rank tokenizes the global batch" if streamed else
            f"token shards, each rank reads its windows of {t.seq_len + 1} tokens"
            f"{', shuffled' if opts.shuffle else ''}{', read ahead' if opts.prefetch else ''}")
-    return f"Data: {source} (split {opts.split!r}); {how}"
+    return f"Data: {source}; {how}"
 
 
 def describe_plan(plan: JobPlan) -> str:

@@ -31,6 +31,16 @@ def error_lines(error: UserError) -> list[str]:
     return [str(e) for e in error.errors] if isinstance(error, ConfigErrors) else [one_line(error)]
 
 
+def not_found(key: str, path: object, what: str = "file not found") -> "UserError":
+    """The error for a file or folder a key names that is not there, naming the absolute path looked for:
+    a relative path is resolved against the folder the run was started from, which the user may not expect."""
+    import os
+
+    name = os.fspath(path)
+    full = os.path.abspath(name)
+    return ConfigError(f"{key}: {what}: {name}" + ("" if full == name else f" (looked for {full})"))
+
+
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
 

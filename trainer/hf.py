@@ -73,18 +73,79 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
         dist.barrier()
 
 
+_KEY = "[checkpoint] initial_load_path"
+# config.json keys that do not describe the weights: the file's dtype (weights are cast on load), the
+# library version, the context length (the rotary table is built for this run's seq_len), HF's own
+# training coefficient.
+_NOT_THE_MODEL = {"torch_dtype", "dtype", "transformers_version", "architectures", "max_position_embeddings",
+                  "router_aux_loss_coef"}
+
+
+def check_hf_config(folder: Path, spec: ModelSpec, args) -> None:
+    """Compare a Hugging Face folder's config.json with the configured model: every field that differs is
+    named with both values (and the key of ours that sets it), in one error. Without config.json, nothing
+    to compare: the tensor shapes are still checked when the weights load."""
+    path = folder / "config.json"
+    if spec.hf is None or not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict):
+            raise TypeError("not a table")
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"{_KEY}: {path} is not a model config ({type(e).__name__}: {e})") from None
+    ours = spec.hf.config(args, torch.float32)
+    differ = []
+    for key, value in ours.items():
+        if key in _NOT_THE_MODEL or key not in saved or _same(saved[key], value):
+            continue
+        where = spec.hf.config_keys.get(key)
+        differ.append(f"{key} {saved[key]!r} (this model: {value!r}{', set by ' + where if where else ''})")
+    if differ:
+        raise UserError(f"{_KEY}: {path} describes another model than the configured one: {'; '.join(differ)}. Set"
+                        " the configured model to match (e.g. with [model.overrides]) to start from these weights")
+    logger.info("%s: %s matches the configured model", _KEY, path)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+        return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+    return a == b
+
+
+def _read_safetensors(path: Path, what, why: str = ""):
+    """``what(f)`` of the safetensors file at ``path``; a missing or damaged file is one UserError naming it."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return what(f)
+    except FileNotFoundError:
+        raise UserError(f"{_KEY}: {path} is missing{why}") from None
+    except Exception as e:  # safetensors raises SafetensorError (truncated header, bad offsets, ...)
+        raise UserError(f"{_KEY}: {path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    """Tensor name -> file, from the index when there is one, else from the files' own headers."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not a table")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{_KEY}: {index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        return weight_map
+    weight_map = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        weight_map.update({k: file.name for k in _read_safetensors(file, lambda f: list(f.keys()))})
+    return weight_map
+
+
 @torch.no_grad()
 def load_hf_(chunks, spec: ModelSpec, args, folder: Path) -> None:
     """Fill the chunks' parameters from a Hugging Face safetensors folder (any layout, any split)."""
     hf = _adapter(spec)
-    index = folder / INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        weight_map = {}
-        for file in folder.glob("*.safetensors"):
-            with safe_open(str(file), framework="pt") as f:
-                weight_map.update({k: file.name for k in f.keys()})
+    weight_map = _weight_map(folder)
     aliases = spec.tied_weights if getattr(args, "tie_embeddings", False) else {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
@@ -94,8 +155,8 @@ def load_hf_(chunks, spec: ModelSpec, args, folder: Path) -> None:
             for key in keys:
                 if key not in weight_map:
                     raise UserError(f"[checkpoint] initial_load_path: {folder} has no tensor {key!r} (for {name})")
-                with safe_open(str(folder / weight_map[key]), framework="pt") as f:
-                    parts.append(f.get_tensor(key))
+                parts.append(_read_safetensors(folder / weight_map[key], lambda f, key=key: f.get_tensor(key),
+                                               f" (named by {INDEX} for {key!r})"))
             full = torch.stack(parts) if len(keys) > 1 else parts[0]
             key = keys[0] if len(keys) == 1 else f"{keys[0]} ... ({len(keys)} stacked)"
             if tuple(full.shape) != tuple(param.shape):

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass, fields
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -174,6 +175,10 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     elif unused := _unused_pipeline_keys(p):
         logger.warning("[parallelism] pipeline_parallel_degree = 1: %s not used; the model runs whole, without a"
                        " pipeline schedule", ", ".join(unused))
+    if config.checkpoint.initial_load_path and (Path(config.checkpoint.initial_load_path) / "config.json").is_file():
+        from trainer.hf import check_hf_config  # only here: the launcher's check stays light otherwise
+
+        check_hf_config(Path(config.checkpoint.initial_load_path), spec, args)
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
         raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
     if check_memory:  # before the model is built: absurd sequence lengths overflow even meta tensors

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from trainer.activation_memory import activation_peaks
 from trainer.checkpoint import Checkpointer, GlobalBatch
 from trainer.config import JobConfig, to_toml
+from trainer.config.validate import output_folders
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
 from trainer.dtensor import full_tensor, local_tensor
 from trainer.env import init_determinism, init_device, init_logging
@@ -159,12 +160,9 @@ def main(config: JobConfig, *, observer: StepObserver | None = None) -> TrainRes
 
 
 def prepare_folders(config: JobConfig) -> None:
-    """Create the dump folder (and the checkpoint folder) and check they can be written, so a bad
-    path fails at start with the key named instead of at the first save."""
-    folders = [("[job] dump_folder", Path(config.job.dump_folder))]
-    if config.checkpoint.enable:
-        folders.append(("[checkpoint] folder", Path(config.job.dump_folder) / config.checkpoint.folder))
-    for key, folder in folders:
+    """Create every folder the run writes into (dump, checkpoint, TensorBoard, traces, data cache) and check
+    they can be written, so a bad path fails at start with the key named instead of at the first save."""
+    for key, _, folder in output_folders(config):
         try:
             folder.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=folder).close()  # can this rank create files there?
@@ -226,6 +224,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         batch=GlobalBatch(plan.global_batch_size, config.training.global_batch_size == -1,
                           f"local {config.training.local_batch_size} x data-parallel {dims.dp}"
                           f" x accumulation {plan.accum_steps}"),
+        tokenizer=tokenizer.identity,
     )
     timeline = None
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:

@@ -160,7 +160,7 @@ def test_excluding_train_state_restarts_the_step_and_the_lr_schedule_together(tm
         load_config(overrides=args + ["--checkpoint.exclude_from_loading", "lr_scheduler"])
 
 
-def test_initial_load_path_and_exclusions(tmp_path):
+def test_initial_load_path_and_exclusions(tmp_path, caplog):
     base = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
     train(base + ["--training.stop_at_step", "2"], tmp_path / "src")
     src = tmp_path / "src" / "checkpoint" / "step-2"
@@ -169,6 +169,10 @@ def test_initial_load_path_and_exclusions(tmp_path):
     fresh = train(base, tmp_path / "fresh")
     warm = train(base + ["--checkpoint.initial_load_path", str(src)], tmp_path / "warm")
     assert warm.losses[0] < fresh.losses[0]
+    assert "is not used: the run resumes its own checkpoint" not in caplog.text
+    # The run's own checkpoint wins over initial_load_path once it has one, and says so.
+    train(base + ["--checkpoint.initial_load_path", str(src), "--checkpoint.load_step", "4"], tmp_path / "warm")
+    assert f"initial_load_path {src} is not used: the run resumes its own checkpoint" in caplog.text
     # Excluding the data position replays the stream from the start on resumed weights: same
     # weights and step as a normal resume, different batches, so different losses.
     kept = train(base + ["--checkpoint.load_step", "2"], tmp_path / "src")
@@ -215,7 +219,7 @@ def test_resume_into_a_model_with_fewer_layers_names_the_dropped_tensors(tmp_pat
     assert len(left.losses) == 2 and left.losses[0] < fresh.losses[0]
 
 
-def test_resume_keeps_the_saved_global_batch_or_says_it_changes(tmp_path, caplog):
+def test_resume_keeps_the_saved_global_batch_and_tokenizer(tmp_path, caplog):
     """Saved at a global batch of 8 sequences. A resume whose batch is derived from its layout
     (global_batch_size = -1) and would be 4 stops with one line naming the key; the saved batch set
     explicitly on a narrower layout continues exactly (2 accumulation steps of 4); another batch set
@@ -227,6 +231,10 @@ def test_resume_keeps_the_saved_global_batch_or_says_it_changes(tmp_path, caplog
     with pytest.raises(UserError, match=r"\[training\] global_batch_size: .*step-2 was trained with a global batch of 8"
                                         r" sequences; this run's would be 4 \(local 4 x data-parallel 1 x accumulation 1\)"):
         train(args + derived, tmp_path)
+    # Another tokenizer with the same vocabulary size would load silently and read token ids as other text.
+    with pytest.raises(UserError, match=r"\[model\] tokenizer_path: .*step-2 was trained with another tokenizer than"
+                                        r" this run's \(tiktoken:.*ranks=400\)"):
+        train(args + ["--model.tokenizer_vocab_size", "400"], tmp_path)
     kept = train(args + ["--training.local_batch_size", "4"], tmp_path)  # PARITY sets global_batch_size = 8
     assert kept.losses == pytest.approx(straight.losses[2:], rel=1e-5)
     assert "global batch changes" not in caplog.text
@@ -234,6 +242,34 @@ def test_resume_keeps_the_saved_global_batch_or_says_it_changes(tmp_path, caplog
                             "--checkpoint.load_step", "2"], tmp_path)
     assert len(changed.losses) == 2
     assert "the global batch changes from 8 to 4 sequences at step 3" in caplog.text
+
+
+def test_a_file_where_a_checkpoint_goes_stops_the_run_with_one_line(tmp_path):
+    """A stray plain file named step-4 in the checkpoint folder: the run stops at the step-4 save with one
+    line naming it; the file and the step-2 checkpoint are kept (issue 34)."""
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "step-4").write_text("mine")
+    with pytest.raises(UserError, match=r"\[checkpoint\] folder: .*checkpoint/step-4 is a file, where checkpoint"
+                                        r" step-4 is to be saved; move it away"):
+        train(["--training.local_batch_size", "8", "--training.steps", "4", "--checkpoint.enable",
+               "--checkpoint.interval", "2"], tmp_path)
+    assert complete_steps(tmp_path / "checkpoint") == [2]
+    assert (tmp_path / "checkpoint" / "step-4").read_text() == "mine"
+
+
+def test_excluding_model_and_optimizer_continues_from_fresh_weights(tmp_path, caplog):
+    args = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
+    train(args + ["--training.stop_at_step", "2"], tmp_path)
+    fresh = train(args[:4], tmp_path / "fresh")
+    resumed = train(args + ["--checkpoint.exclude_from_loading", "model,optimizer"], tmp_path)
+    assert "model weights not loaded ([checkpoint] exclude_from_loading)" in caplog.text
+    # The same freshly initialised weights as a new run, continued at step 3 with that run's data position.
+    # A loaded model would give the straight run's step-3 loss exactly. Fresh weights on the step-3 windows
+    # give what a run that also restarts the step counter (same data position, same initial weights) sees first.
+    assert len(resumed.losses) == 2 and resumed.losses[0] != fresh.losses[2]
+    restarted = train(args + ["--checkpoint.exclude_from_loading", "model,optimizer,train_state",
+                              "--checkpoint.load_step", "2", "--training.steps", "1"], tmp_path)
+    assert restarted.losses[0] == resumed.losses[0]
 
 
 def test_random_generator_state_is_restored(tmp_path, monkeypatch):

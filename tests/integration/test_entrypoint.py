@@ -84,6 +84,34 @@ def test_run_train_sh_rejects_bad_config_before_launch():
     assert "torch.distributed" not in proc.stderr and "[rank" not in proc.stdout  # torchrun never started
 
 
+@pytest.mark.slow
+def test_run_train_sh_takes_relative_paths_from_where_it_is_run(tmp_path):
+    """A user in their own folder runs the trainer by its full path: CONFIG_FILE, the dataset and the
+    dump folder are theirs, relative to that folder; a missing file names the absolute path looked for."""
+    user = tmp_path / "me"
+    user.mkdir()
+    (user / "job.toml").write_text('[job]\ndump_folder = "out"\n[model]\nname = "llama3"\nflavor = "debugmodel"\n'
+                                   '[training]\ndataset_path = "notes.txt"\nlocal_batch_size = 2\nseq_len = 32\n')
+    (user / "notes.txt").write_text("\n\n".join(f"Note {i}: the trainer reads text files too." * 8 for i in range(40)))
+    script = str(REPO / "run_train.sh")
+
+    def run_here(args, config="job.toml"):
+        return subprocess.run([script, *args], cwd=user, env={**ENV, "CONFIG_FILE": config}, capture_output=True,
+                              text=True, timeout=600)
+
+    proc = run_here(["--training.steps", "2", "--validation.no-enable", "--metrics.no-enable_tensorboard"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (user / "out" / "config.toml").is_file() and not (REPO / "out").exists()
+    missing = run_here([], config="nojob.toml")
+    assert missing.returncode == 2
+    assert f"error: CONFIG_FILE=nojob.toml: file not found (looked for {user}/nojob.toml)" in missing.stderr
+    bad_data = run_here(["--training.dataset_path", "nodata.txt"])
+    assert bad_data.returncode == 2 and "[rank" not in bad_data.stdout
+    assert f"[training] dataset_path: file not found: nodata.txt (looked for {user}/nodata.txt)" in bad_data.stderr
+    repo_config = run_here([], config="configs/debug_model.toml")
+    assert f"the trainer's folder has one: CONFIG_FILE={REPO}/configs/debug_model.toml" in repo_config.stderr
+
+
 def test_help_and_print_config():
     help_proc = launch([sys.executable, "train.py", "--help"])
     assert help_proc.returncode == 0 and "--training.steps" in help_proc.stdout

@@ -48,6 +48,17 @@ BAD = [
     (["--debug.seed", str(2**64)], "[debug] seed"),
     (["--comm.train_timeout_seconds", "1000000000000000"], "[comm] train_timeout_seconds"),
     (["--comm.init_timeout_seconds", "1000000000000000"], "[comm] init_timeout_seconds"),
+    # counters and batches with a ceiling: a typo is one line, not an overflow deep in numpy (issue 34)
+    (["--training.global_batch_size", "4611686018427387904"], "[training] global_batch_size: got 4611686018427387904"),
+    (["--training.steps", str(10**20)], "[training] steps: got 100000000000000000000, expected an integer > 0 and <= 1,000,000,000"),
+    (["--training.steps", str(10**26)], "[training] steps: got 100000000000000000000000000"),
+    (["--checkpoint.interval", str(10**12)], "[checkpoint] interval"),
+    # a value is checked whatever the mode that reads it
+    (["--activation_checkpoint.selective_ac_option", "abc"], "selective_ac_option: got 'abc', expected 'op' or a positive integer"),
+    (["--activation_checkpoint.selective_ac_option", "-3"], "selective_ac_option: got '-3'"),
+    # exclusions that would load nothing, or an optimizer state without its weights
+    (["--checkpoint.exclude_from_loading", "model,optimizer,dataloader,train_state,rng"], "every part is excluded"),
+    (["--checkpoint.exclude_from_loading", "model"], "'model' without 'optimizer' would load the optimizer state"),
     # user modules that cannot be imported
     (["--model.modules", "broken_syntax"], "[model] modules: cannot import 'broken_syntax': SyntaxError"),
     (["--model.modules", "broken_import"], "cannot import 'broken_import': RuntimeError: this module refuses to load"),
@@ -149,6 +160,17 @@ def test_folders_that_cannot_hold_the_run_are_named(tmp_path):
     config = load_config(overrides=["--job.dump_folder", str(afile / "sub")])
     with pytest.raises(UserError, match=r"\[job\] dump_folder: cannot write to .*a_file/sub"):
         prepare_folders(config)
+    # every output folder is checked the same way: the data cache, traces, TensorBoard (issue 34)
+    (tmp_path / "run" / "cache").write_text("x")
+    with pytest.raises(ConfigError, match=r"\[training.dataloader\] cache_folder: .*cache exists and is not a folder"):
+        load_config(overrides=["--job.dump_folder", str(tmp_path / "run"), "--training.dataloader.cache_folder", "cache"])
+    for key in ("--training.dataloader.cache_folder", "--profiling.save_traces_folder", "--metrics.save_tb_folder"):
+        config = load_config(overrides=["--job.dump_folder", str(tmp_path / "run2"), key, str(afile / "sub"),
+                                        "--parallelism.pipeline_parallel_degree", "2",
+                                        "--profiling.pipeline_timeline_steps", "1"])
+        section, name = key[2:].rsplit(".", 1)
+        with pytest.raises(UserError, match=rf"\[{section}\] {name}: cannot write to .*a_file/sub"):
+            prepare_folders(config)
 
 
 def test_config_file_that_is_not_a_file():

@@ -94,3 +94,39 @@ def test_a_streamed_hub_dataset_cannot_be_mixed(tmp_path):
     with pytest.raises(ConfigError, match=r"\[training.dataset_mix\] mixes prepared or downloaded datasets only"):
         load_config(job)
     load_config(job, overrides=["--training.dataloader.no-streaming"])
+
+
+def test_each_dataset_of_a_mix_reads_its_own_split_or_the_shared_one(tmp_path, caplog):
+    """[training.dataloader] split applies to the datasets of a mix that name no split of their own;
+    one with {weight, split} reads its own; the mix is logged with every dataset's split and size."""
+    from trainer.data import build_train_loader
+
+    paths = []
+    for name in ("a", "b"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": f"{name} document {i}. " * 12}) + "\n" for i in range(20)))
+        paths.append(str(path))
+    job = tmp_path / "mix.toml"
+    job.write_text(f'[training.dataloader]\nsplit = "train[:50%]"\n[training.dataset_mix]\n"{paths[0]}" = 3\n'
+                   f'"{paths[1]}" = {{weight = 1, split = "train"}}\n')
+    config = load_config(job, overrides=["--training.seq_len", "16", "--job.dump_folder", str(tmp_path / "out")])
+    with caplog.at_level("INFO"):
+        loader = build_train_loader(config.training, Tokenizer(), dump_folder=str(tmp_path / "out"), seed=0,
+                                    accum_steps=1, dp_rank=0, dp_degree=1, wait_seconds=10)
+    assert [d.num_documents for d in loader.order.datasets] == [10, 20]  # half of a, all of b
+    assert f"{paths[0]}: weight 3 (75.0% of windows), split 'train[:50%]' ([training.dataloader] split)," \
+           f" 10 documents" in caplog.text
+    assert f"{paths[1]}: weight 1 (25.0% of windows), split 'train' (its own), 20 documents" in caplog.text
+
+
+@pytest.mark.parametrize("entry, message", [
+    ('{split = "train"}', r"expected a weight or a table .* \(no weight\)"),
+    ('{weight = 1, splt = "train"}', r"expected a weight or a table .* \(unknown: splt\)"),
+    ('{weight = 1, split = 3}', r"split 3 is not a split name"),
+    ('{weight = 0, split = "train"}', r"weight 0 must be a finite number > 0"),
+])
+def test_bad_mix_entries_name_the_dataset(tmp_path, entry, message):
+    job = tmp_path / "mix.toml"
+    job.write_text(f'[training.dataset_mix]\npython_docs = {entry}\n')
+    with pytest.raises(ConfigError, match=r"\[training.dataset_mix\] 'python_docs': " + message):
+        load_config(job, overrides=["--training.dataloader.no-streaming"])

@@ -263,3 +263,49 @@ def test_prepare_command(tmp_path):
     bad = subprocess.run(verify, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "--verify: shard file" in bad.stderr and "tokens-00000.bin has other contents than when it was prepared" in bad.stderr
+    # --verify without a folder: the usage line, exit 2 (issue 34)
+    usage = subprocess.run([sys.executable, "-m", "trainer.data.prepare", "--verify"], capture_output=True, text=True)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: python -m trainer.data.prepare")
+    assert "Traceback" not in usage.stderr
+
+
+def test_a_token_id_outside_the_vocabulary_names_the_shard_file(tok, tmp_path):
+    """A flipped byte that keeps the file's size but makes an id the embedding has no row for is caught
+    when the window is read, naming the file, not as an IndexError inside the model."""
+    folder = tmp_path / "s"
+    prepare_shards(DOCS, tok, folder, source="docs", shard_tokens=100)
+    shards = TokenShards(folder)
+    whole = shards.read(0, shards.num_tokens)
+    assert whole.max() < tok.vocab_size
+    index = json.loads((folder / "index.json").read_text())
+    path = folder / index["shards"][1]["tokens"]
+    data = bytearray(path.read_bytes())
+    data[7] ^= 0x80  # the high byte of token 3 (little-endian uint16): an id >= 32768
+    path.write_bytes(bytes(data))
+    first = index["shards"][0]["num_tokens"]
+    shards = TokenShards(folder)
+    shards.read(0, first)  # shard 0 is intact
+    with pytest.raises(UserError, match=r"shard file .*tokens-00001.bin holds token id \d+ at token 3, outside the"
+                                        r" vocabulary of 302: the file is damaged"):
+        shards.read(first - 5, 20)
+
+
+@pytest.mark.parametrize("where", ["file", "folder with files", "impossible"])
+def test_prepare_into_a_path_that_cannot_hold_it_is_one_line(tok, tmp_path, where):
+    out = tmp_path / "out"
+    if where == "file":
+        out.write_text("mine")
+        words = r"output folder .*out is a file; choose a new folder"
+    elif where == "folder with files":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        words = r"output folder .*out is a folder holding other files"
+    else:
+        out = tmp_path / "a_file" / "out"
+        (tmp_path / "a_file").write_text("mine")
+        words = r"output folder .*a_file/out: cannot create .*a_file"
+    with pytest.raises(UserError, match=words):
+        prepare_shards(DOCS, tok, out, source="docs")
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]  # nothing left behind
+    if where != "impossible":
+        assert (out.read_text() if where == "file" else (out / "notes.txt").read_text()) == "mine"

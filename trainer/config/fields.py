@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from trainer.config.schema import Range
+from trainer.config.schema import Range, TableEntries
 from trainer.errors import ConfigError
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -37,6 +37,7 @@ class FieldSpec:
     elem: str | None = None  # element kind of a list: "int" or "str"
     range: Range | None = None
     section: type | None = None  # dataclass of a nested table
+    table_entries: bool = False  # a dict whose entries may be tables of single values
 
     def type_name(self) -> str:
         if self.kind == "list":
@@ -101,7 +102,7 @@ def _spec(name: str, hint: Any, default: Any, doc: str) -> FieldSpec:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         assert len(args) == 1, f"unsupported union for {name}"
         hint, optional = args[0], True
-    rng = None
+    rng, extras = None, []
     if typing.get_origin(hint) is Annotated:
         hint, *extras = typing.get_args(hint)
         rng = next((e for e in extras if isinstance(e, Range)), None)
@@ -112,7 +113,8 @@ def _spec(name: str, hint: Any, default: Any, doc: str) -> FieldSpec:
         (elem,) = typing.get_args(hint)
         return FieldSpec(name, "list", doc, default, optional, elem=elem.__name__)
     if hint is dict or origin is dict:
-        return FieldSpec(name, "dict", doc, default, optional)
+        tables = any(isinstance(e, TableEntries) for e in extras)
+        return FieldSpec(name, "dict", doc, default, optional, table_entries=tables)
     if dataclasses.is_dataclass(hint):
         return FieldSpec(name, "section", doc, default, optional, section=hint)
     kind = hint.__name__
@@ -191,8 +193,13 @@ def check_value(spec: FieldSpec, value: Any) -> Any:
         if not isinstance(value, dict):
             raise wrong()
         for k, v in value.items():
-            if isinstance(v, (dict, list)) or v is None:
-                raise ConfigError(f"entry {k!r} = {v!r} must be a single number, string or boolean")
+            if spec.table_entries and isinstance(v, dict):
+                inner = v.values()
+            else:
+                inner = [v]
+            if any(isinstance(x, (dict, list)) or x is None for x in inner):
+                what = "a single number, string or boolean" + (", or a table of them" if spec.table_entries else "")
+                raise ConfigError(f"entry {k!r} = {v!r} must be {what}")
         return dict(value)
     raise wrong()
 

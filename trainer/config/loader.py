@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from trainer.config.fields import FieldSpec, check_value, parse_cli_value, parse_toml_literal, section_fields
 from trainer.config.schema import JobConfig
-from trainer.errors import ConfigError, ConfigErrors
+from trainer.errors import ConfigError, ConfigErrors, not_found
 
 Flat = dict[tuple[str, ...], tuple[Any, str]]
 Action = Literal["train", "help", "print-config", "dry-run"]
@@ -112,8 +112,7 @@ def read_toml(path: str | Path, _chain: tuple[Path, ...] = ()) -> Flat:
         cycle = " -> ".join(str(p) for p in _chain + (resolved,))
         raise ConfigError(f"{EXTENDS_KEY}: cycle between config files: {cycle}")
     if not is_file:
-        what = "not a regular file" if exists else "file not found"
-        raise ConfigError(f"[job] config_file: {what}: {path}")
+        raise not_found("[job] config_file", path, "not a regular file" if exists else "file not found")
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:

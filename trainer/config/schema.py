@@ -11,6 +11,11 @@ from typing import Annotated, Literal
 from trainer.config.schedules import ScheduleName
 
 
+def _number(value: float) -> str:
+    """A bound as written: whole numbers in full (10^9 reads 1,000,000,000), others as %g."""
+    return f"{int(value):,}" if float(value).is_integer() and abs(value) < 2**63 else f"{value:g}"
+
+
 @dataclass(frozen=True)
 class Range:
     """Accepted numeric range of a field; ``also`` lists extra accepted sentinel values."""
@@ -35,22 +40,31 @@ class Range:
     def describe(self) -> str:
         parts = []
         if self.ge is not None:
-            parts.append(f">= {self.ge:g}")
+            parts.append(f">= {_number(self.ge)}")
         if self.gt is not None:
-            parts.append(f"> {self.gt:g}")
+            parts.append(f"> {_number(self.gt)}")
         if self.le is not None:
-            parts.append(f"<= {self.le:g}")
+            parts.append(f"<= {_number(self.le)}")
         if self.lt is not None:
-            parts.append(f"< {self.lt:g}")
+            parts.append(f"< {_number(self.lt)}")
         text = " and ".join(parts)
         for v in self.also:
             text += f" or {v}"
         return text
 
 
+@dataclass(frozen=True)
+class TableEntries:
+    """A table key whose entries may themselves be small tables of single values (e.g. {weight = 3, split = "train"})."""
+
+
+# Ceilings: far above any real job, low enough that a typo (10^20 steps) is one clear error instead of an overflow.
+MAX_COUNT = 10**9  # steps, intervals, frequencies
+MAX_BATCH = 2**24  # sequences in a batch (a global batch of 2^24 windows is still indexable in memory)
 Positive = Range(gt=0)
 NonNegative = Range(ge=0)
-Degree = Range(ge=1)
+Count = Range(gt=0, le=MAX_COUNT)
+Degree = Range(ge=1, le=2**20)
 Timeout = Range(gt=0, le=7 * 24 * 3600)  # a week; larger values overflow the process group's int timers
 
 
@@ -72,7 +86,7 @@ class Model:
     """Size preset of the family (llama3: debugmodel, 270M, 1B, 3B, 8B, 70B, 405B)."""
     tokenizer_path: str = ""
     """tiktoken BPE file (e.g. Llama 3's tokenizer.model) or Hugging Face tokenizer.json; empty = bundled cl100k_base."""
-    tokenizer_vocab_size: Annotated[int, NonNegative] = 0
+    tokenizer_vocab_size: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
     """Keep only the first N BPE ranks of the tokenizer file; 0 = as many as the model vocab holds."""
     tie_embeddings: bool = False
     """Share one weight between the input embedding and the output projection."""
@@ -103,7 +117,7 @@ class Optimizer:
 
 @dataclass(frozen=True, kw_only=True)
 class LRScheduler:
-    warmup_steps: Annotated[int, NonNegative] = 2
+    warmup_steps: Annotated[int, Range(ge=0, le=MAX_COUNT)] = 2
     """Steps of linear warm-up from lr/warmup_steps to lr."""
     decay_ratio: Annotated[float, Range(ge=0, le=1)] | None = None
     """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset = decay right after warm-up."""
@@ -137,25 +151,25 @@ class Training:
     """Dataset: 'python_docs' (bundled, offline) or a Hugging Face hub name; ignored when dataset_path is set."""
     dataset_path: str = ""
     """Prepared token shards (python -m trainer.data.prepare), or local .txt/.json/.jsonl/.parquet file(s); overrides dataset."""
-    dataset_mix: dict = field(default_factory=dict)
-    """Several datasets with weights, e.g. {"data/web" = 3, "data/code" = 1}: keys as dataset_path (or a dataset name), weights > 0; replaces dataset and dataset_path."""
+    dataset_mix: Annotated[dict, TableEntries()] = field(default_factory=dict)
+    """Several datasets with weights, e.g. {"data/web" = 3, "data/code" = {weight = 1, split = "train[:90%]"}}: keys as dataset_path (or a dataset name), weights > 0, each dataset's own split or else [training.dataloader] split; replaces dataset and dataset_path."""
     local_batch_size: Annotated[int, Positive] = 8
     """Sequences per forward/backward on one data-parallel rank."""
-    global_batch_size: Annotated[int, Range(gt=0, also=(-1,))] = -1
+    global_batch_size: Annotated[int, Range(gt=0, le=MAX_BATCH, also=(-1,))] = -1
     """Sequences per optimizer step over all ranks; -1 = local_batch_size * data-parallel degree (no accumulation)."""
     seq_len: Annotated[int, Positive] = 256
     """Tokens per training sequence."""
     max_norm: Annotated[float, NonNegative] = 1.0
     """Clip the global gradient norm to this value; 0 = no clipping (the norm is still logged)."""
-    steps: Annotated[int, Positive] = 10
+    steps: Annotated[int, Count] = 10
     """Optimizer steps to train for."""
-    stop_at_step: Annotated[int, Positive] | None = None
+    stop_at_step: Annotated[int, Count] | None = None
     """End this run after this step (saving a checkpoint if enabled) while the LR schedule still spans steps; for time-limited jobs."""
     mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype: auto = bfloat16 on accelerators, float32 on CPU."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of data-parallel gradient reduction."""
-    gc_freq: Annotated[int, Positive] = 50
+    gc_freq: Annotated[int, Count] = 50
     """Run Python's garbage collector every N steps (automatic collection is disabled)."""
     dataloader: DataLoader = field(default_factory=DataLoader)
     """Dataset reading options."""
@@ -165,7 +179,7 @@ class Training:
 class Parallelism:
     data_parallel_replicate_degree: Annotated[int, Degree] = 1
     """Data-parallel replicas (DDP, or the replicate dim of HSDP)."""
-    data_parallel_shard_degree: Annotated[int, Range(ge=1, also=(-1,))] = -1
+    data_parallel_shard_degree: Annotated[int, Range(ge=1, le=2**20, also=(-1,))] = -1
     """FSDP shards per replica; -1 = all ranks left over by the other degrees."""
     tensor_parallel_degree: Annotated[int, Degree] = 1
     """Tensor-parallel ranks per model chunk."""
@@ -206,9 +220,9 @@ class Parallelism:
     """Pipeline schedule (torch.distributed.pipelining); zero-bubble ones split the backward into input and weight passes."""
     pipeline_parallel_schedule_csv: str = ""
     """CSV file defining a custom pipeline schedule; overrides pipeline_parallel_schedule."""
-    pipeline_parallel_microbatch_size: Annotated[int, Positive] = 1
+    pipeline_parallel_microbatch_size: Annotated[int, Range(gt=0, le=MAX_BATCH)] = 1
     """Sequences per pipeline microbatch."""
-    pipeline_parallel_layers_per_stage: Annotated[int, Positive] | None = None
+    pipeline_parallel_layers_per_stage: Annotated[int, Count] | None = None
     """Transformer layers per (virtual) stage; derives the number of stages per rank."""
     pipeline_parallel_frontend: Literal["manual", "tracer"] = "manual"
     """How stages are cut: manual = the model class with other stages' modules removed; tracer = torch's
@@ -227,9 +241,9 @@ class Validation:
     """Prepared token shards or local text files to validate on, as [training] dataset_path."""
     split: str = "train"
     """Split (or slice, e.g. 'train[90%:]') of the validation dataset."""
-    freq: Annotated[int, Positive] = 500
+    freq: Annotated[int, Count] = 500
     """Evaluate every N steps (and after the last step)."""
-    steps: Annotated[int, Range(gt=0, also=(-1,))] = -1
+    steps: Annotated[int, Range(gt=0, le=MAX_COUNT, also=(-1,))] = -1
     """Global batches per evaluation (of the training batch shape); -1 = every whole batch of the validation set."""
 
 
@@ -243,13 +257,13 @@ class Checkpoint:
     """Save checkpoints and resume from them."""
     folder: str = "checkpoint"
     """Checkpoint folder, relative to the dump folder."""
-    interval: Annotated[int, Positive] = 500
+    interval: Annotated[int, Count] = 500
     """Save every N steps (and at the last step)."""
-    keep_latest_k: Annotated[int, NonNegative] = 10
+    keep_latest_k: Annotated[int, Range(ge=0, le=MAX_COUNT)] = 10
     """Keep only the newest K checkpoints; 0 = keep all."""
     async_mode: Literal["disabled", "async"] = "disabled"
     """Write checkpoints synchronously or in the background."""
-    load_step: Annotated[int, Range(ge=0, also=(-1,))] = -1
+    load_step: Annotated[int, Range(ge=0, le=MAX_COUNT, also=(-1,))] = -1
     """Resume from this step; -1 = the latest complete checkpoint."""
     initial_load_path: str = ""
     """Weights to start from when the run folder has no checkpoint: a DCP step folder or a Hugging Face safetensors folder."""
@@ -283,7 +297,7 @@ class Compile:
 
 @dataclass(frozen=True, kw_only=True)
 class Metrics:
-    log_freq: Annotated[int, Positive] = 1
+    log_freq: Annotated[int, Count] = 1
     """Log metrics every N steps."""
     enable_tensorboard: bool = True
     """Write TensorBoard event files."""
@@ -316,11 +330,11 @@ class Profiling:
     """Record torch.profiler traces (CPU and device kernels) of some steps, one Chrome trace per rank."""
     save_traces_folder: str = "profile_traces"
     """Folder for traces, relative to the dump folder."""
-    profile_freq: Annotated[int, Positive] = 10
+    profile_freq: Annotated[int, Count] = 10
     """With enable_profiling: profile the last profiler_active steps of every profile_freq steps."""
-    profiler_warmup: Annotated[int, NonNegative] = 1
+    profiler_warmup: Annotated[int, Range(ge=0, le=MAX_COUNT)] = 1
     """Steps the profiler runs untraced before its active steps (its start-up cost stays out of the trace)."""
-    profiler_active: Annotated[int, Positive] = 1
+    profiler_active: Annotated[int, Count] = 1
     """Steps traced in each profile_freq window."""
     enable_memory_snapshot: bool = False
     """On CUDA: record allocations and dump a memory snapshot every profile_freq steps (view at pytorch.org/memory_viz)."""

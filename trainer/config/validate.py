@@ -6,11 +6,12 @@ schedule constraints) happen while the job plan is built (``trainer.plan.build_j
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config.schedules import SCHEDULES
 from trainer.config.schema import CHECKPOINT_PARTS, JobConfig, LRScheduler, Training
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, not_found
 
 logger = logging.getLogger(__name__)
 
@@ -167,12 +168,19 @@ def _check_checkpoint(config: JobConfig) -> None:
                 f"[checkpoint] exclude_from_loading: unknown part {name!r} (parts: {', '.join(CHECKPOINT_PARTS)};"
                 " or 'model.<name>' for saved model tensors the model lacks)"
             )
+    excluded = set(config.checkpoint.exclude_from_loading)
+    if excluded >= set(CHECKPOINT_PARTS):
+        raise ConfigError("[checkpoint] exclude_from_loading: every part is excluded, so a resume would load nothing"
+                          " and overwrite the run's checkpoints; to start afresh, use another [job] dump_folder")
+    if "model" in excluded and "optimizer" not in excluded:
+        raise ConfigError("[checkpoint] exclude_from_loading: 'model' without 'optimizer' would load the optimizer"
+                          " state of weights that are not loaded; exclude both to continue from fresh weights")
 
 
 def _check_activation_checkpoint(config: JobConfig) -> None:
     ac, p = config.activation_checkpoint, config.parallelism
     option = ac.selective_ac_option
-    if ac.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+    if option != "op" and not (option.isdigit() and int(option) >= 1):  # checked whatever the mode
         raise ConfigError(
             f"[activation_checkpoint] selective_ac_option: got {option!r}, expected 'op' or a positive integer"
         )
@@ -186,17 +194,38 @@ def _check_activation_checkpoint(config: JobConfig) -> None:
         )
 
 
+def output_folders(config: JobConfig) -> list[tuple[str, str, Path]]:
+    """(key, value, folder) of every folder this run will write into; the ones under the dump folder are
+    relative to it. Checked when the config is loaded and created by every rank at start, so that a bad
+    path fails before the first step rather than at the first save or trace."""
+    dump = Path(config.job.dump_folder)
+    out = [("[job] dump_folder", config.job.dump_folder, dump)]
+    if config.checkpoint.enable:
+        out.append(("[checkpoint] folder", config.checkpoint.folder, dump / config.checkpoint.folder))
+    if config.metrics.enable_tensorboard:
+        out.append(("[metrics] save_tb_folder", config.metrics.save_tb_folder, dump / config.metrics.save_tb_folder))
+    prof = config.profiling
+    if prof.enable_profiling or (prof.pipeline_timeline_steps and config.parallelism.pipeline_parallel_degree > 1):
+        out.append(("[profiling] save_traces_folder", prof.save_traces_folder, dump / prof.save_traces_folder))
+    if prof.enable_memory_snapshot:
+        out.append(("[profiling] save_memory_snapshot_folder", prof.save_memory_snapshot_folder,
+                    dump / prof.save_memory_snapshot_folder))
+    t = config.training
+    prepared = not t.dataset_mix and t.dataset_path and (Path(t.dataset_path) / "index.json").is_file()
+    if not prepared:  # raw text is tokenized into the cache before the first step
+        cache = t.dataloader.cache_folder
+        out.append(("[training.dataloader] cache_folder", cache, dump / cache))
+    return out
+
+
 def _check_folders(config: JobConfig) -> None:
     """Folder names that are empty or name an existing file (whether they can be created and
     written is checked by every rank when the run starts)."""
-    checks = [("[job] dump_folder", config.job.dump_folder)]
-    if config.checkpoint.enable:
-        checks.append(("[checkpoint] folder", config.checkpoint.folder))
-    for key, name in checks:
+    folders = output_folders(config)
+    for key, name, _ in folders:
         if not name.strip():
             raise ConfigError(f"{key}: must not be empty (use '.' for the current folder)")
-    for key, path in (("[job] dump_folder", Path(config.job.dump_folder)),
-                      ("[checkpoint] folder", Path(config.job.dump_folder) / config.checkpoint.folder)):
+    for key, _, path in folders:
         try:
             is_file = path.exists() and not path.is_dir()
         except OSError:  # e.g. under a folder this user cannot read: reported when the run creates it
@@ -218,19 +247,51 @@ def _check_files(config: JobConfig) -> None:
         except OSError as e:
             raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
         if not found:
-            raise ConfigError(f"{key}: file not found: {path}")
+            raise not_found(key, path)
+
+
+@dataclass(frozen=True)
+class MixEntry:
+    """One dataset of [training.dataset_mix]: its weight and the split it reads, with where that split is set."""
+
+    name: str
+    weight: float
+    split: str
+    split_from: str  # "its own" or "[training.dataloader] split"
+
+
+def mix_entries(training: Training) -> list[MixEntry]:
+    """The datasets of [training.dataset_mix], each entry a weight or a table {weight = 3, split = "..."}; a
+    dataset without its own split reads [training.dataloader] split. Raises ConfigError naming a bad entry."""
+    out = []
+    for name, entry in training.dataset_mix.items():
+        key = f"[training.dataset_mix] {name!r}"
+        if not name.strip():
+            raise ConfigError("[training.dataset_mix]: an empty dataset name")
+        split, split_from = training.dataloader.split, "[training.dataloader] split"
+        weight = entry
+        if isinstance(entry, dict):
+            extra = sorted(set(entry) - {"weight", "split"})
+            if extra or "weight" not in entry:
+                raise ConfigError(f"{key}: expected a weight or a table {{weight = 1, split = \"train\"}}, got"
+                                  f" {entry!r}" + (f" (unknown: {', '.join(extra)})" if extra else " (no weight)"))
+            weight = entry["weight"]
+            if "split" in entry:
+                if not isinstance(entry["split"], str) or not entry["split"].strip():
+                    raise ConfigError(f"{key}: split {entry['split']!r} is not a split name such as 'train[:90%]'")
+                split, split_from = entry["split"], "its own"
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"{key}: weight {weight!r} is not a number")
+        if not weight > 0 or weight == float("inf"):
+            raise ConfigError(f"{key}: weight {weight} must be a finite number > 0")
+        out.append(MixEntry(name, float(weight), split, split_from))
+    return out
 
 
 def _check_data(config: JobConfig) -> None:
-    """Dataset mixture weights; what validation needs of the training shape."""
+    """Dataset mixture entries; what validation needs of the training shape."""
     t = config.training
-    for name, weight in t.dataset_mix.items():
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise ConfigError(f"[training.dataset_mix] {name!r}: weight {weight!r} is not a number")
-        if not weight > 0 or weight == float("inf"):
-            raise ConfigError(f"[training.dataset_mix] {name!r}: weight {weight} must be a finite number > 0")
-        if not name.strip():
-            raise ConfigError("[training.dataset_mix]: an empty dataset name")
+    mix_entries(t)
     if t.dataset_mix and t.dataset_path:
         logger.warning("[training] dataset_path is ignored: [training.dataset_mix] names the datasets")
     if t.dataset_mix and t.dataloader.streaming and any(not Path(n).exists() and n != "python_docs"

@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from trainer.config.schema import DataLoader, Training, Validation
+from trainer.config.validate import mix_entries
 from trainer.data.loader import WindowLoader, WindowOrder
 from trainer.data.shards import INDEX, TokenShards, iter_texts, prepare_shards
 from trainer.data.sources import BUNDLED, Source, load_documents, local_files, training_source
@@ -87,11 +88,29 @@ def _mix_sources(training: Training) -> list[tuple[Source, float]]:
     if not training.dataset_mix:
         return [(training_source(training), 1.0)]
     out = []
-    for name, weight in training.dataset_mix.items():
-        local = name != BUNDLED and Path(name).exists()
-        out.append((Source("" if local else name, name if local else "", training.dataloader.split,
-                           section="[training.dataset_mix]"), float(weight)))
+    for entry in mix_entries(training):
+        local = entry.name != BUNDLED and Path(entry.name).exists()
+        if entry.split_from == "its own" and is_prepared(entry.name):
+            raise UserError(f"[training.dataset_mix] {entry.name!r}: split {entry.split!r} cannot apply to prepared"
+                            f" token shards (they are read whole); prepare the split you want with"
+                            f" python -m trainer.data.prepare")
+        split_key = ("[training.dataloader] split" if entry.split_from != "its own"
+                     else f"[training.dataset_mix] {entry.name!r} split")
+        out.append((Source("" if local else entry.name, entry.name if local else "", entry.split,
+                           section="[training.dataset_mix]", split_key=split_key), entry.weight))
     return out
+
+
+def _log_mix(training: Training, shards: list[TokenShards]) -> None:
+    """The mix as it will be read: every dataset's weight, split (and where that split is set) and size."""
+    entries = mix_entries(training)
+    total = sum(e.weight for e in entries)
+    logger.info("data mix of %d datasets (a split set by [training.dataloader] split applies to every dataset"
+                " without its own):", len(entries))
+    for e, s in zip(entries, shards):
+        split = "prepared shards, read whole" if is_prepared(e.name) else f"split {e.split!r} ({e.split_from})"
+        logger.info("  %s: weight %g (%.1f%% of windows), %s, %s documents, %s tokens", e.name, e.weight,
+                    100 * e.weight / total, split, f"{s.num_documents:,}", f"{s.num_tokens:,}")
 
 
 def build_train_loader(training: Training, tokenizer, *, dump_folder: str, seed: int, accum_steps: int,
@@ -110,6 +129,8 @@ def build_train_loader(training: Training, tokenizer, *, dump_folder: str, seed:
     shards = [open_source(s, opts, tokenizer, cache=cache, wait_seconds=wait_seconds) for s, _ in sources]
     order = WindowOrder(shards, [w for _, w in sources], training.seq_len + 1, seed=seed, shuffle=opts.shuffle,
                         names=[s.name for s, _ in sources])
+    if training.dataset_mix:
+        _log_mix(training, shards)
     return WindowLoader(order, local_batch_size=training.local_batch_size, accum_steps=accum_steps,
                         dp_rank=dp_rank, dp_degree=dp_degree, prefetch=opts.prefetch)
 

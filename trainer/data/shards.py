@@ -120,7 +120,16 @@ class TokenShards:
         while filled < length:
             offset = start + filled - int(self._starts[i])
             take = min(length - filled, self.shards[i].num_tokens - offset)
-            out[filled:filled + take] = self._maps[i][offset:offset + take]
+            part = out[filled:filled + take]
+            part[:] = self._maps[i][offset:offset + take]
+            # A damaged file (a flipped byte) holds ids the embedding has no row for: name the file, not
+            # an index error deep in the model. One max over the window: cheap next to the step.
+            if take and (int(part.max()) >= self.vocab_size or int(part.min()) < 0):
+                bad = int(part.max()) if int(part.max()) >= self.vocab_size else int(part.min())
+                raise UserError(f"{self.key}: shard file {self.folder / self.shards[i].tokens} holds token id {bad}"
+                                f" at token {offset + int(np.argmax(part == bad))}, outside the vocabulary of"
+                                f" {self.vocab_size}: the file is damaged (check it with python -m"
+                                f" trainer.data.prepare --verify {self.folder})")
             filled += take
             i += 1
         return out
@@ -155,9 +164,15 @@ def prepare_shards(texts: Iterable[str], tokenizer, out: str | Path, *, source: 
     out = Path(out)
     if (out / INDEX).exists():
         raise UserError(f"output folder {out} already holds a prepared dataset; remove it or choose another")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        what = "a folder holding other files" if out.is_dir() else "a file"
+        raise UserError(f"output folder {out} is {what}; choose a new folder")
     dtype = np.dtype("<u2") if tokenizer.vocab_size <= 1 << 16 else np.dtype("<u4")
     tmp = out.parent / f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}"
-    tmp.mkdir(parents=True, exist_ok=False)
+    try:
+        tmp.mkdir(parents=True, exist_ok=False)
+    except OSError as e:
+        raise UserError(f"output folder {out}: cannot create {tmp.parent}: {e.strerror or e}") from None
     shards: list[dict] = []
     start = time.perf_counter()
     num_docs = num_tokens = 0
@@ -204,10 +219,13 @@ def prepare_shards(texts: Iterable[str], tokenizer, out: str | Path, *, source: 
                  "dtype": dtype.name, "num_documents": num_docs, "num_tokens": num_tokens, "shards": shards}
         (tmp / INDEX).write_text(json.dumps(index, indent=1) + "\n")
         try:
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()  # an empty folder made for it: rename replaces nothing on every platform
             tmp.rename(out)
-        except OSError:
+        except OSError as e:
             if not (out / INDEX).exists():  # another process won the race with identical files: keep theirs
-                raise
+                raise UserError(f"output folder {out}: cannot publish the prepared dataset there:"
+                                f" {e.strerror or e}") from None
     finally:
         if tokens_file is not None:
             tokens_file.close()

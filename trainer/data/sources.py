@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.config.schema import DataLoader, Training
-from trainer.errors import UserError
+from trainer.errors import UserError, not_found
 
 if TYPE_CHECKING:
     import datasets
@@ -78,7 +78,7 @@ def load_documents(source: Source, opts: DataLoader) -> "datasets.Dataset | data
     if source.dataset_path:
         path = Path(source.dataset_path)
         if not path.exists():
-            raise UserError(f"{source.path_key}: file not found: {path}")
+            raise not_found(source.path_key, path)
         builder, files = _local_files(path, source.path_key)
         extra = {"sample_by": "paragraph"} if builder == "text" else {}
         try:

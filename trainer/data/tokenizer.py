@@ -23,7 +23,7 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 from trainer.config.schema import Model
-from trainer.errors import UserError
+from trainer.errors import UserError, not_found
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Tokenizer:
         bundled = not path
         path = default_tokenizer_path() if bundled else Path(path)
         if not path.is_file():
-            raise UserError(f"[model] tokenizer_path: file not found: {path}")
+            raise not_found("[model] tokenizer_path", path)
         try:
             ranks = load_tiktoken_bpe(str(path), expected_hash=_CL100K_SHA256 if bundled else None)
         except Exception as e:  # tiktoken raises plain ValueError/binascii errors on bad files
@@ -111,7 +111,7 @@ class HFTokenizer:
 
         path = Path(path)
         if not path.is_file():
-            raise UserError(f"[model] tokenizer_path: file not found: {path}")
+            raise not_found("[model] tokenizer_path", path)
         try:
             self._tok = _HF.from_file(str(path))
         except Exception as e:  # the Rust parser raises a bare Exception with the serde message

@@ -38,6 +38,8 @@ class HFAdapter:
     (e.g. one weight for all experts, one per expert in HF); None = [hf_name(name)]."""
     unsupported: Callable[[Any], str | None] = lambda args: None
     """args -> why the HF class cannot hold this model (refused at plan time), or None."""
+    config_keys: dict[str, str] = field(default_factory=dict)
+    """config.json key -> the key of ours that sets it (named when an imported config differs from the model)."""
 
     def names(self, name: str, args: Any) -> list[str]:
         return self.hf_names(name, args) if self.hf_names is not None else [self.hf_name(name)]

@@ -57,6 +57,16 @@ def from_hf(name: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
     return tensor.view(heads, 2, out // heads // 2, inp).transpose(1, 2).reshape(out, inp)
 
 
+O = "[model.overrides] "
+# config.json key -> our key that sets it (named when an imported config.json differs from the model)
+CONFIG_KEYS = {
+    "hidden_size": O + "dim", "num_hidden_layers": O + "n_layers", "num_attention_heads": O + "n_heads",
+    "num_key_value_heads": O + "n_kv_heads", "vocab_size": O + "vocab_size", "rms_norm_eps": O + "norm_eps",
+    "rope_theta": O + "rope_theta", "tie_word_embeddings": "[model] tie_embeddings",
+    "intermediate_size": O + "ffn_dim_multiplier and multiple_of", "head_dim": O + "dim / n_heads",
+}
+
+
 def hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],

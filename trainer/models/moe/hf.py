@@ -71,6 +71,14 @@ def unsupported(args: MoEArgs) -> str | None:
     return None
 
 
+O = llama_hf.O
+CONFIG_KEYS = {  # Llama's, with the feed-forward keys of a mixture of experts
+    **llama_hf.CONFIG_KEYS, "intermediate_size": O + "dense_hidden_dim", "moe_intermediate_size": O + "expert_hidden_dim",
+    "num_experts": O + "n_experts", "num_experts_per_tok": O + "top_k", "norm_topk_prob": O + "norm_topk",
+    "mlp_only_layers": O + "n_dense_layers", "head_dim": O + "head_dim_override",
+}
+
+
 def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
