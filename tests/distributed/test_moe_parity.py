@@ -37,6 +37,8 @@ def pp(schedule: str) -> list[str]:
 
 CASES = {
     "EP2": (2, [], EP2 + ["--training.local_batch_size", "4"]),
+    "EP2+SAC-op": (2, [], EP2 + ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                                 "--activation_checkpoint.selective_ac_option", "op"]),
     "EP2xFSDP2": (4, [], [P + "data_parallel_shard_degree", "4", *EP2, "--training.local_batch_size", "2"]),
     "EP2xTP2": (4, [], [*EP2, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
     "PP2xEP2-1F1B": (4, LAYERS4, pp("1F1B")),

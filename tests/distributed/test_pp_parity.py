@@ -62,6 +62,8 @@ CASES = {
     # context parallelism inside every stage
     "pp2xCP2-1F1B": (4, LAYERS4, pp(2, "1F1B", P + "context_parallel_degree", "2", *B8)),
     "pp2xCP2-ZBV": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8)),
+    "pp2xCP2-ZBV-AC": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8,
+                                      "--activation_checkpoint.mode", "full")),
 }
 
 

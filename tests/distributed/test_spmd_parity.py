@@ -46,6 +46,10 @@ LAYOUTS = {
     "CP2xFSDP2": (4, [CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     "CP2xTP2+SP+LP": (4, [CP, "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "CP2+accum2": (2, [CP, "2", "--training.local_batch_size", "4"]),
+    # Activation checkpointing under CP: the recomputed forward must run the gathered attention too.
+    "CP2+AC": (2, [CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
+    "CP2+SAC-op": (2, [CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective",
+                       "--activation_checkpoint.selective_ac_option", "op"]),
 }
 
 
