@@ -54,12 +54,34 @@ else
              "can reach; got '${endpoint}'" >&2
         exit 2
     fi
+    host=${endpoint%:*}
+    port=${endpoint##*:}
+    if [ "${#port}" -gt 5 ] || [ "$((10#$port))" -lt 1 ] || [ "$((10#$port))" -gt 65535 ]; then
+        echo "error: RDZV_ENDPOINT=$endpoint: port $port is not a port number (1-65535)" >&2
+        exit 2
+    fi
+    # A host name that does not resolve would fail inside torchrun after its timeouts (minutes).
+    if ! "$PYTHON" -c 'import socket, sys; socket.getaddrinfo(sys.argv[1], None)' "$host" 2>/dev/null; then
+        echo "error: RDZV_ENDPOINT=$endpoint: host '$host' cannot be resolved from this node" >&2
+        exit 2
+    fi
     rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$endpoint"
                 --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-trainer}}")
 fi
 
 filter=()
 if [ -n "$LOG_RANK" ]; then
+    if ! [[ "$LOG_RANK" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+        echo "error: LOG_RANK=$LOG_RANK: expected comma-separated local ranks (e.g. LOG_RANK=0 or LOG_RANK=0,1)" >&2
+        exit 2
+    fi
+    for r in ${LOG_RANK//,/ }; do
+        if [ "${#r}" -gt 6 ] || [ "$((10#$r))" -ge "$NGPU" ]; then
+            echo "error: LOG_RANK=$LOG_RANK: local rank $r does not exist with NGPU=$NGPU (local ranks 0-$((NGPU - 1)));" \
+                 "its output would be shown and every other rank's hidden" >&2
+            exit 2
+        fi
+    done
     filter=(--local-ranks-filter "$LOG_RANK")
 fi
 # --check-config: the launcher checks the config and job plan for NNODES x NGPU ranks before it

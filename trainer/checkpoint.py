@@ -287,16 +287,28 @@ class Checkpointer:
                                 f" move it away and resume (the checkpoints saved so far are kept)")
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+        _barrier()
+        try:  # every rank: a read-only or full disk fails alike everywhere, not on rank 0 alone
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise self._save_failed(name, e) from None
         _barrier()
         if background:
-            saving = _dcp().async_save(state, checkpoint_id=str(tmp))
+            try:
+                saving = _dcp().async_save(state, checkpoint_id=str(tmp))
+            except BaseException as e:  # DCP's CheckpointException derives from BaseException
+                raise self._save_failed(name, e) from None
             if self._background is None:
                 self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
             self.pending = (self._background.submit(self._finish_files, saving, tmp), name)
             logger.info("checkpoint %s: saving in the background", name)
         else:
-            _dcp().save(state, checkpoint_id=str(tmp))
+            try:
+                _dcp().save(state, checkpoint_id=str(tmp))
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                raise self._save_failed(name, e) from None
             _barrier()  # every rank's files are on disk before any rank lists the folder
             if self.cfg.verify:
                 hash_share(tmp)
@@ -313,9 +325,29 @@ class Checkpointer:
         """Finish an asynchronous save, if one is in flight."""
         if self.pending is not None:
             future, name = self.pending
-            future.result()
             self.pending = None
+            try:
+                future.result()
+            except BaseException as e:
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                raise self._save_failed(name, e) from None
             self._publish(name)
+
+    def _save_failed(self, name: str, error: BaseException) -> UserError:
+        """A save that could not be written (full or read-only disk, ...): its partial folder is removed, the
+        checkpoints before it are untouched, and the error names the folder and the cause."""
+        if _rank() == 0:
+            shutil.rmtree(self.folder / f"{name}.tmp", ignore_errors=True)
+        failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+        if isinstance(failures, dict) and failures:
+            first = next(iter(failures.values()))
+            error = first[0] if isinstance(first, tuple) else first
+        cause = (error.strerror + (f" ({error.filename})" if error.filename else "")
+                 if isinstance(error, OSError) and error.strerror
+                 else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+        return UserError(f"[checkpoint] folder: could not save {name} into {self.folder}: {cause}; the partial save"
+                         f" was removed and the checkpoints saved before it are kept")
 
     def _publish(self, name: str) -> None:
         _barrier()  # every rank's files (and checksum share) are written before the folder is published

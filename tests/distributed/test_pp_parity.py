@@ -93,7 +93,8 @@ def case_overrides(name: str, folder) -> list[str]:
         # An interleaved order written out as CSV, one row of actions per rank.
         csv = folder / "schedule.csv"
         rows = [",".join(str(a) for a in rank if a is not None) for rank in schedule_ops("Interleaved1F1B", 2, 8, 2)]
-        csv.write_text("\n".join(rows) + "\n")
+        # With a byte-order mark, as spreadsheets export CSV: read by our check and by torch's loader alike.
+        csv.write_text("\n".join(rows) + "\n", encoding="utf-8-sig")
         overrides = [str(csv) if o == "{csv}" else o for o in overrides]
     if name == TIMED:
         overrides = overrides + ["--profiling.pipeline_timeline_steps", "2"]

@@ -272,6 +272,35 @@ def test_excluding_model_and_optimizer_continues_from_fresh_weights(tmp_path, ca
     assert restarted.losses[0] == resumed.losses[0]
 
 
+FULL_DISK = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG, as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+def test_a_save_that_cannot_be_written_is_one_line_and_leaves_the_earlier_ones(tmp_path, async_mode):
+    """A disk that fills during a save (here: a file-size limit the process sets itself, so that writing a
+    checkpoint file fails with 'File too large'): one error line naming the folder and the cause, exit 2,
+    no partial folder left, the step-2 checkpoint untouched (issue 35)."""
+    args = ["--training.local_batch_size", "8", "--training.steps", "6", "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--checkpoint.async_mode", async_mode, "--metrics.no-enable_tensorboard"]
+    train(args + ["--training.stop_at_step", "2"], tmp_path)  # step-2 saved, the data prepared
+    before = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint" / "step-2").iterdir()}
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, *PARITY, *args, "--job.dump_folder", str(tmp_path)],
+                          cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "[checkpoint] folder: could not save step-4 into" in errors[0] and "File too large" in errors[0]
+    folder = tmp_path / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
+    assert {p.name: p.read_bytes() for p in (folder / "step-2").iterdir()} == before
+
+
 def test_random_generator_state_is_restored(tmp_path, monkeypatch):
     import trainer.checkpoint as ckpt
 

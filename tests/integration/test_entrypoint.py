@@ -204,8 +204,13 @@ def test_two_nodes_on_one_machine_reproduce_one_process(tmp_path):
     ({"NNODES": "two"}, "NNODES=two: expected a positive number of nodes"),
     ({"NNODES": "2"}, "NNODES=2 needs RDZV_ENDPOINT=host:port (or MASTER_ADDR and MASTER_PORT)"),
     ({"NNODES": "2", "RDZV_ENDPOINT": "node0"}, "got 'node0'"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "localhost:99999"}, "RDZV_ENDPOINT=localhost:99999: port 99999 is not a port number"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "127.0.0.1:0"}, "RDZV_ENDPOINT=127.0.0.1:0: port 0 is not a port number"),
+    ({"NNODES": "2", "RDZV_ENDPOINT": "no-such-host.invalid:29500"}, "host 'no-such-host.invalid' cannot be resolved"),
+    ({"LOG_RANK": "abc"}, "LOG_RANK=abc: expected comma-separated local ranks"),
+    ({"LOG_RANK": "7"}, "LOG_RANK=7: local rank 7 does not exist with NGPU=1 (local ranks 0-0)"),
 ])
-def test_run_train_sh_refuses_an_incomplete_multi_node_setup(env, message):
+def test_run_train_sh_refuses_bad_launch_variables(env, message):
     clean = {k: v for k, v in ENV.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RDZV_ENDPOINT")}
     proc = launch(["./run_train.sh"], env={**clean, **env})
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"error: {proc.stderr.strip()[7:]}"]

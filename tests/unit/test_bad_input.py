@@ -101,6 +101,13 @@ def test_a_schedule_csv_torch_cannot_run_is_refused_when_the_job_is_planned(tmp_
         load_plan(pp2, 2)
     csv.write_text("0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n")
     load_plan(pp2, 2)
+    # One stage per rank: the CSV's own stages decide the count (the default of a multi-stage schedule,
+    # two per rank, does not apply); with split points for four stages, the message names the keys.
+    csv.write_text("\ufeff0F0,0B0\n1F0,1B0\n", encoding="utf-8")  # with a byte-order mark
+    assert load_plan(pp2, 2).pipeline.num_stages == 2
+    with pytest.raises(ConfigError, match=r"uses stages \[0, 1\], but the job has stages 0..3 \(as many as the CSV"
+                                        r" uses, unless \[parallelism\] pipeline_parallel_split_points"):
+        load_plan(pp2 + ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.3"], 2)
 
 
 def test_a_one_step_smoke_test_of_any_job_works(caplog):

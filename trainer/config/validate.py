@@ -125,7 +125,7 @@ def read_csv_cells(path: str) -> list[list[str]]:
     import csv
 
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a cell
             rows = [[cell.strip() for cell in row] for row in csv.reader(f)]
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise ConfigError(f"{_CSV_KEY}: cannot read {path}: {e}") from None

@@ -9,7 +9,10 @@ Either way parameter names are those of the whole model.
 """
 
 import logging
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,7 +143,16 @@ def build_schedule(plan: PipelinePlan, stages: list, *, n_microbatches: int, los
     from torch.distributed.pipelining import schedules
     if plan.schedule == "csv":
         schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        schedule._load_csv(csv_path)
+        data = Path(csv_path).read_bytes()
+        if data.startswith(b"\xef\xbb\xbf"):  # a byte-order mark (spreadsheet exports): torch reads it as part of a cell
+            with tempfile.NamedTemporaryFile("wb", suffix=".csv", delete=False) as copy:
+                copy.write(data[3:])
+            try:
+                schedule._load_csv(copy.name)
+            finally:
+                os.unlink(copy.name)
+        else:
+            schedule._load_csv(csv_path)
         return schedule
     traits = SCHEDULES[plan.schedule]
     cls = getattr(schedules, traits.torch_class)

@@ -18,7 +18,7 @@ from trainer.errors import ConfigError
 from trainer.models.registry import model_blocks
 from trainer.parallel.pipeline_cost import PartCosts, part_flops
 from trainer.parallel.pipeline_planner import Simulator, SplitSearch, search_splits
-from trainer.parallel.schedule_sim import check_csv, check_schedule, program_for
+from trainer.parallel.schedule_sim import check_csv, check_schedule, csv_rows, program_for
 
 KEY = "[parallelism] pipeline_parallel_"
 
@@ -134,6 +134,10 @@ def num_stages_for(parallelism: Parallelism, traits: ScheduleTraits, n_layers: i
     pp = parallelism.pipeline_parallel_degree
     if parallelism.pipeline_parallel_split_points:
         return len(parallelism.pipeline_parallel_split_points) + 1
+    if parallelism.pipeline_parallel_schedule_csv and parallelism.pipeline_parallel_layers_per_stage is None:
+        # A CSV names its stages: as many as it uses (checked against the placement when the job is planned).
+        used = [s for row in csv_rows(parallelism.pipeline_parallel_schedule_csv) for s, _, _ in row]
+        return max(used) + 1
     if parallelism.pipeline_parallel_layers_per_stage is not None:
         # Uneven counts are fine: round up to whole stages, then to a multiple of pp so every
         # rank holds as many stages; the split then balances layers over them.

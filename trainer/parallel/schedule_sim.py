@@ -40,6 +40,8 @@ def check_schedule(schedule: str, pp: int, n_microbatches: int, stages_per_rank:
 
 
 _CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
+KEY_STAGES = ("as many as the CSV uses, unless [parallelism] pipeline_parallel_split_points or"
+              " pipeline_parallel_layers_per_stage set them")
 
 
 def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> None:
@@ -55,7 +57,8 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
     stages = {s for row in rows for _, s, _ in row}
     mbs = {mb for row in rows for _, _, mb in row}
     if stages != set(range(num_stages)):
-        raise ConfigError(f"{key}: {path} uses stages {sorted(stages)}, but the job has stages 0..{num_stages - 1}")
+        raise ConfigError(f"{key}: {path} uses stages {sorted(stages)}, but the job has stages 0..{num_stages - 1}"
+                          f" ({KEY_STAGES})")
     if mbs != set(range(n_microbatches)):
         raise ConfigError(
             f"{key}: {path} uses microbatches {sorted(mbs)}, but the job has {n_microbatches}"
