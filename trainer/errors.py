@@ -38,7 +38,10 @@ def not_found(key: str, path: object, what: str = "file not found") -> "UserErro
 
     name = os.fspath(path)
     full = os.path.abspath(name)
-    return ConfigError(f"{key}: {what}: {name}" + ("" if full == name else f" (looked for {full})"))
+    shown = repr(name) if name != name.strip() else name  # a trailing space is invisible otherwise
+    if what == "file not found" and os.path.isdir(name):
+        what = "a folder, not a file"
+    return ConfigError(f"{key}: {what}: {shown}" + ("" if full == name else f" (looked for {full})"))
 
 
 class TrainingDiverged(UserError):

@@ -32,6 +32,7 @@ from trainer.parallel.pipeline_cost import PartCosts, flop_costs, part_flops, re
 from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
 
 logger = logging.getLogger(__name__)
+MIN_TIKTOKEN_VOCAB = 256 + 2  # byte tokens + trainer.data.tokenizer.NUM_SPECIAL (not imported: the launcher stays light)
 
 # fp32 parameter + fp32 gradient + two fp32 Adam moments.
 BYTES_PER_PARAM = 16
@@ -181,6 +182,10 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
         check_hf_config(Path(config.checkpoint.initial_load_path), spec, args)
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
         raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
+    vocab = spec.vocab_size(args)
+    if not config.model.tokenizer_path.endswith(".json") and vocab < MIN_TIKTOKEN_VOCAB:
+        raise ConfigError(f"[model.overrides] vocab_size={vocab}: a tiktoken tokenizer needs the 256 byte tokens and"
+                          f" 2 special ones, so vocab_size >= {MIN_TIKTOKEN_VOCAB}")
     if check_memory:  # before the model is built: absurd sequence lengths overflow even meta tensors
         _check_logits_memory(config, dims, spec.vocab_size(args))
     if dims.cp > 1 and not spec.cp_buffers:

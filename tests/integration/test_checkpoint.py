@@ -301,6 +301,24 @@ def test_a_save_that_cannot_be_written_is_one_line_and_leaves_the_earlier_ones(t
     assert {p.name: p.read_bytes() for p in (folder / "step-2").iterdir()} == before
 
 
+def test_an_emptied_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    args = ["--training.local_batch_size", "8", "--training.steps", "6", "--checkpoint.enable",
+            "--checkpoint.interval", "2"]
+    train(args + ["--training.stop_at_step", "4"], tmp_path)
+    newest = tmp_path / "checkpoint" / "step-4"
+    for f in newest.iterdir():
+        f.unlink()
+    resumed = train(args, tmp_path)
+    assert len(resumed.losses) == 4  # steps 3-6, from step 2
+    assert "its .metadata is missing (the folder was emptied" in caplog.text and (newest.parent / "step-4.damaged").is_dir()
+
+
+def test_a_split_that_selects_no_documents_names_the_key(tmp_path):
+    with pytest.raises(UserError, match=r"\[training.dataloader\] split='train\[50%:50%\]': selects no documents of"
+                                        r" python_docs"):
+        train(["--training.dataloader.split", "train[50%:50%]"], tmp_path)
+
+
 def test_random_generator_state_is_restored(tmp_path, monkeypatch):
     import trainer.checkpoint as ckpt
 

@@ -21,6 +21,7 @@ from trainer.optim import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
 O = "--model.overrides."
+MOE = ["--model.name", "moe", "--model.flavor", "debugmodel"]
 GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny", "--training.seq_len", "32"]
 
 BAD = [
@@ -59,6 +60,18 @@ BAD = [
     # exclusions that would load nothing, or an optimizer state without its weights
     (["--checkpoint.exclude_from_loading", "model,optimizer,dataloader,train_state,rng"], "every part is excluded"),
     (["--checkpoint.exclude_from_loading", "model"], "'model' without 'optimizer' would load the optimizer state"),
+    # ranges of the mixture-of-experts family, and the key each error names (issue 35)
+    (MOE + [O + "n_dense_layers", "4"], "[model.overrides] n_dense_layers=4: must be < n_layers=4"),
+    (MOE + [O + "route_scale", "1e30"], "[model.overrides] route_scale=1e+30: must be <= 100"),
+    (MOE + [O + "aux_loss_coef", "1e30"], "[model.overrides] aux_loss_coef=1e+30: must be <= 100"),
+    (MOE + [O + "head_dim_override", "3"], "[model.overrides] head_dim_override=3: the head size 3 must be even"),
+    (MOE + [O + "vocab_size", "10"], "[model.overrides] vocab_size=10: a tiktoken tokenizer needs the 256 byte tokens"),
+    (["--profiling.activation_memory_steps", "0"], "[profiling] activation_memory_steps: 0 is not a step"),
+    (["--profiling.activation_memory_steps", str(2**63)], "[profiling] activation_memory_steps"),
+    # error lines that name the right thing (issue 35)
+    (["--training.dataset_mix"], "--training.dataset_mix: set one entry at a time, e.g. --training.dataset_mix.python_docs 1"),
+    (["--model.tokenizer_path", "/tmp"], "[model] tokenizer_path: a folder, not a file: /tmp"),
+    (["--training.dataset_path", "README.md "], "[training] dataset_path: file not found: 'README.md '"),
     # user modules that cannot be imported
     (["--model.modules", "broken_syntax"], "[model] modules: cannot import 'broken_syntax': SyntaxError"),
     (["--model.modules", "broken_import"], "cannot import 'broken_import': RuntimeError: this module refuses to load"),
@@ -121,6 +134,24 @@ def test_a_one_step_smoke_test_of_any_job_works(caplog):
                      config_file="configs/debug_model.toml")
     assert "decay_ratio=0.8 of [training] steps=3 is 2 decay steps, but warm-up leaves 1" in caplog.text
     assert [lr_factor(s, plan.config.lr_scheduler, 3) for s in (1, 2, 3)] == pytest.approx([0.5, 1.0, 0.0])
+
+
+IGNORED = [  # settings that do nothing in the job as configured: one warning line each (issue 35)
+    (["--checkpoint.load_step", "3"], "[checkpoint] load_step=3 is ignored: [checkpoint] enable = false"),
+    (["--validation.dataset_path", "README.md"], "[validation] dataset_path is ignored: [validation] enable = false"),
+    (["--validation.enable"], "[validation] reads the training data itself (python_docs, split 'train')"),
+    (["--training.steps", "3", "--parallelism.pipeline_parallel_degree", "2", "--profiling.pipeline_timeline_steps",
+      "2,5,9"], "[profiling] pipeline_timeline_steps: steps 5, 9 after the last step ([training] steps = 3)"),
+    (["--parallelism.pipeline_parallel_frontend", "tracer"], "pipeline_parallel_frontend = 'tracer' not used"),
+    (["--training.dataset_mix.python_docs", "1", "--training.dataset_path", "README.md",
+      "--training.dataloader.no-streaming"], "[training] dataset_path is ignored: [training.dataset_mix]"),
+]
+
+
+@pytest.mark.parametrize("argv, words", IGNORED, ids=[" ".join(a)[:50] for a, _ in IGNORED])
+def test_a_setting_the_job_ignores_is_said_in_one_warning(caplog, argv, words):
+    load_plan(argv, 2 if "2" in argv else 1)
+    assert words in caplog.text
 
 
 def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:

@@ -88,6 +88,14 @@ def test_bad_mix_weights_name_the_key(weight, message):
         load_config(overrides=["--training.dataset_mix.python_docs", weight])
 
 
+def test_a_mix_entry_that_is_a_missing_file_says_so(tmp_path):
+    job = tmp_path / "mix.toml"
+    job.write_text('[training.dataset_mix]\npython_docs = 1\n"data/missing.jsonl" = 1\n')
+    with pytest.raises(ConfigError, match=r"\[training.dataset_mix\] 'data/missing.jsonl': file not found: data/missing"
+                                        r".jsonl \(looked for .*\)"):
+        load_config(job)
+
+
 def test_a_streamed_hub_dataset_cannot_be_mixed(tmp_path):
     job = tmp_path / "mix.toml"
     job.write_text('[training.dataset_mix]\npython_docs = 1\n"org/web" = 1\n')

@@ -19,6 +19,8 @@ Action = Literal["train", "help", "print-config", "dry-run"]
 
 CLI = "command line"
 EXTENDS_KEY = "extends"
+_DICT_EXAMPLES = {"overrides": "n_layers 4", "tensor_parallel_overrides": "attention.wq colwise",
+                  "dataset_mix": "python_docs 1"}
 _ACTION_FLAGS: dict[str, Action] = {
     "--help": "help",
     "-h": "help",
@@ -158,7 +160,8 @@ def _resolve_cli_key(raw: str) -> tuple[tuple[str, ...], FieldSpec | None, bool]
             cls = spec.section
         elif spec.kind == "dict":
             if len(segments) == i + 1:
-                raise ConfigError(f"--{raw}: set one entry at a time, e.g. --{raw}.n_layers 4")
+                example = _DICT_EXAMPLES.get(seg, "name value")
+                raise ConfigError(f"--{raw}: set one entry at a time, e.g. --{raw}.{example}")
             # Entries may be dotted module names: --parallelism.tensor_parallel_overrides.attention.wq
             return path + (".".join(raw.split(".")[i + 1:]),), None, False
         elif not last:

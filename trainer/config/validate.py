@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config.schedules import SCHEDULES
-from trainer.config.schema import CHECKPOINT_PARTS, JobConfig, LRScheduler, Training
+from trainer.config.schema import CHECKPOINT_PARTS, MAX_COUNT, JobConfig, LRScheduler, Training
 from trainer.errors import ConfigError, not_found
 
 logger = logging.getLogger(__name__)
+_FILE_KEYS = ("[model] tokenizer_path", "[parallelism] pipeline_parallel_schedule_csv")
+_RAW_SUFFIXES = (".txt", ".json", ".jsonl", ".parquet")  # the local file types trainer.data.sources reads
 
 
 def validate_config(config: JobConfig) -> None:
@@ -35,11 +37,16 @@ def _check_profiling(config: JobConfig) -> None:
             f"[profiling] profiler_warmup={prof.profiler_warmup} + profiler_active={prof.profiler_active} must fit in"
             f" profile_freq={prof.profile_freq} steps"
         )
-    steps = config.profiling.pipeline_timeline_steps
-    bad = [s for s in steps if not 1 <= s]
-    if bad:
-        raise ConfigError(f"[profiling] pipeline_timeline_steps: {bad[0]} is not a step (steps count from 1)")
-    if steps and config.parallelism.pipeline_parallel_degree == 1:
+    last = config.training.steps
+    for key in ("pipeline_timeline_steps", "activation_memory_steps"):
+        steps = getattr(prof, key)
+        bad = [s for s in steps if not 1 <= s <= MAX_COUNT]
+        if bad:
+            raise ConfigError(f"[profiling] {key}: {bad[0]} is not a step (steps count from 1 to {MAX_COUNT:,})")
+        if past := [s for s in steps if s > last]:
+            logger.warning("[profiling] %s: step%s %s after the last step ([training] steps = %d): not recorded",
+                           key, "s" if len(past) > 1 else "", ", ".join(map(str, past)), last)
+    if prof.pipeline_timeline_steps and config.parallelism.pipeline_parallel_degree == 1:
         logger.warning("[profiling] pipeline_timeline_steps set but pipeline_parallel_degree=1: no pipeline to time")
 
 
@@ -168,6 +175,10 @@ def _check_checkpoint(config: JobConfig) -> None:
                 f"[checkpoint] exclude_from_loading: unknown part {name!r} (parts: {', '.join(CHECKPOINT_PARTS)};"
                 " or 'model.<name>' for saved model tensors the model lacks)"
             )
+    ckpt = config.checkpoint
+    if not ckpt.enable and ckpt.load_step != -1:
+        logger.warning("[checkpoint] load_step=%d is ignored: [checkpoint] enable = false (no run checkpoint is"
+                       " resumed)", ckpt.load_step)
     excluded = set(config.checkpoint.exclude_from_loading)
     if excluded >= set(CHECKPOINT_PARTS):
         raise ConfigError("[checkpoint] exclude_from_loading: every part is excluded, so a resume would load nothing"
@@ -248,6 +259,8 @@ def _check_files(config: JobConfig) -> None:
             raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
         if not found:
             raise not_found(key, path)
+        if path and key in _FILE_KEYS and Path(path).is_dir():
+            raise not_found(key, path, "a folder, not a file")
 
 
 @dataclass(frozen=True)
@@ -294,6 +307,18 @@ def _check_data(config: JobConfig) -> None:
     mix_entries(t)
     if t.dataset_mix and t.dataset_path:
         logger.warning("[training] dataset_path is ignored: [training.dataset_mix] names the datasets")
+    v = config.validation
+    if not v.enable and v.dataset_path:
+        logger.warning("[validation] dataset_path is ignored: [validation] enable = false")
+    if v.enable and not t.dataset_mix and (v.dataset_path or v.dataset) == (t.dataset_path or t.dataset) and (
+            v.split == t.dataloader.split):
+        logger.warning("[validation] reads the training data itself (%s, split %r): the validation loss measures"
+                       " how well the model fits its training text; give [validation] split another slice, e.g."
+                       " 'train[90%%:]' with [training.dataloader] split = 'train[:90%%]'", v.dataset_path or v.dataset,
+                       v.split)
+    for name in t.dataset_mix:  # a name that looks like a file path must be one (hub names look like org/name)
+        if not Path(name).exists() and (name.startswith((".", "/", "~")) or Path(name).suffix in _RAW_SUFFIXES):
+            raise not_found(f"[training.dataset_mix] {name!r}", name)
     if t.dataset_mix and t.dataloader.streaming and any(not Path(n).exists() and n != "python_docs"
                                                           for n in t.dataset_mix):
         raise ConfigError("[training.dataset_mix] mixes prepared or downloaded datasets only: set"

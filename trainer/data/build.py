@@ -55,6 +55,8 @@ def open_source(source: Source, opts: DataLoader, tokenizer, *, cache: Path, wai
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 logger.info("preparing %s into %s", source.name, folder)
                 docs = load_documents(source, opts)
+                if hasattr(docs, "__len__") and len(docs) == 0:
+                    raise UserError(f"{source.split_key}={source.split!r}: selects no documents of {source.name}")
                 try:
                     summary = prepare_shards(iter_texts(docs, opts.text_column, "[training.dataloader] text_column"),
                                              tokenizer, folder, source=source.name)

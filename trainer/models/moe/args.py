@@ -64,6 +64,12 @@ def validate_moe_args(a: MoEArgs) -> None:
     for key in ("n_dense_layers", "n_shared_experts"):
         if getattr(a, key) < 0:
             raise bad(key, "must be >= 0")
+    if a.n_dense_layers >= a.n_layers:
+        raise bad("n_dense_layers", f"must be < n_layers={a.n_layers}: at least one block must be a mixture of experts"
+                                    " (a dense model is the llama family)")
+    for key, ceiling in (("route_scale", 100.0), ("aux_loss_coef", 100.0), ("bias_update_speed", 1.0)):
+        if getattr(a, key) > ceiling:
+            raise bad(key, f"must be <= {ceiling:g}")
     if a.n_dense_layers and a.dense_hidden_dim < 1:
         raise bad("dense_hidden_dim", "must be >= 1 when n_dense_layers > 0")
     for key in ("dim", "n_heads", "n_kv_heads", "head_dim_override", "vocab_size", "max_seq_len", "n_experts",
@@ -84,7 +90,8 @@ def validate_moe_args(a: MoEArgs) -> None:
     if a.head_dim_override is None and a.dim % a.n_heads:
         raise bad("n_heads", f"must divide dim={a.dim} (or set head_dim_override)")
     if a.head_dim % 2:
-        raise bad("n_heads", f"the head size {a.head_dim} must be even (rotary embeddings)")
+        raise bad("head_dim_override" if a.head_dim_override is not None else "n_heads",
+                  f"the head size {a.head_dim} must be even (rotary embeddings)")
     if a.n_heads % a.num_kv_heads:
         raise bad("n_kv_heads", f"must divide n_heads={a.n_heads} (grouped-query attention)")
     if a.top_k > a.n_experts:
