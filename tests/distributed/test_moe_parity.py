@@ -40,6 +40,12 @@ CASES = {
     "EP2+SAC-op": (2, [], EP2 + ["--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
                                  "--activation_checkpoint.selective_ac_option", "op"]),
     "EP2xFSDP2": (4, [], [P + "data_parallel_shard_degree", "4", *EP2, "--training.local_batch_size", "2"]),
+    # Clipping that engages (every run's norm is below 1.0) on expert and non-expert gradients.
+    "EP2+clip": (2, ["--training.max_norm", "0.3"], EP2 + ["--training.local_batch_size", "4", "--training.max_norm",
+                                                             "0.3"]),
+    # Data-parallel replicas: the experts' gradient average and FSDP over the replica dimension too.
+    "HSDP2x2xEP2": (4, [], [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2", *EP2,
+                            "--training.local_batch_size", "2"]),
     "EP2xTP2": (4, [], [*EP2, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
     "PP2xEP2-1F1B": (4, LAYERS4, pp("1F1B")),
     "PP2xEP2-ZBV": (4, LAYERS4, pp("ZBVZeroBubble")),
@@ -84,9 +90,10 @@ def test_expert_parallel_layout_matches_single_process(name, references, launche
     result = launches.result(name, tmp_path)
     assert_parity(name, result, reference, tensors)
     assert result["losses"][-1] < result["losses"][0]
-    if name in METERED:  # the MoE estimate assumes an even share of routed rows per expert-parallel rank
+    if name in METERED:  # the MoE estimate assumes an even share of routed rows per expert-parallel rank,
+        # which the router only approaches: 15% slack for that reason
         check_activation_estimate(result["activation_peaks"]["2"],
-                                  load_plan(BASE + case_overrides(name), world_size=nproc), nproc)
+                                  load_plan(BASE + case_overrides(name), world_size=nproc), nproc, rel=0.15)
 
 
 @pytest.mark.slow

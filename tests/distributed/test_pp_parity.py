@@ -127,18 +127,33 @@ def test_pipeline_matches_single_process(name, references, launches, tmp_path):
                        pp=2, n_micro=8)
 
 
-# loop and V placement, a split backward (I/W), FSDP inside the stages
-METERED = {"pp2-1F1B", "pp2-Interleaved1F1B", "pp2-ZBVZeroBubble", "pp2-DualPipeV", "pp2xFSDP2"}
+# loop and V placement, a split backward (I/W), FSDP inside the stages, activation checkpointing
+METERED = {"pp2-1F1B", "pp2-Interleaved1F1B", "pp2-ZBVZeroBubble", "pp2-DualPipeV", "pp2xFSDP2", "pp2-ZBV-accum2-AC"}
 
 
-def check_activation_estimate(measured: list[int], plan, nproc: int) -> None:
-    """The plan's activation estimate of each pipeline rank is within 15% of what its ranks' saved-tensor
-    hooks counted at the peak (the issue's bound; measured ratios are ~1.00, docs/pipeline.md)."""
+def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float = 0.01) -> None:
+    """The plan's activation estimate of each pipeline rank is within ``rel`` of what its ranks' saved-tensor
+    hooks counted at the peak (dense Llama stages: measured ratios 0.996-1.000, so 1%). Under activation
+    checkpointing the hooks do not see the recomputation (it runs inside torch's checkpoint), so what they
+    count is compared with the estimate without its recompute term (that term is checked on one process in
+    tests/unit/test_activation_memory.py)."""
+    from trainer.activation_memory import PartActivations, part_activations, rank_peaks
+    from trainer.parallel.schedule_sim import schedule_ops
+
     estimate = activation_peaks(plan, "cpu")
+    if plan.config.activation_checkpoint.mode != "none":
+        parts = part_activations(plan.config, plan.spec, plan.model_args, plan.dims, 4)
+        kept = PartActivations(parts.kept, tuple(0.0 for _ in parts.recompute))
+        p = plan.pipeline
+        ops = schedule_ops(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank)
+        kept_peaks = rank_peaks(kept, [len(s.blocks) for s in p.stages], ops,
+                                plan.config.parallelism.pipeline_parallel_microbatch_size * plan.config.training.seq_len)
+        assert all(e > k for e, k in zip(estimate, kept_peaks))  # the recompute term is there
+        estimate = kept_peaks
     per_pp = nproc // plan.dims.pp
     for pp_rank, expected in enumerate(estimate):
         peak = max(measured[pp_rank * per_pp:(pp_rank + 1) * per_pp])
-        assert abs(expected - peak) <= 0.15 * peak, (pp_rank, expected, peak)
+        assert abs(expected - peak) <= rel * peak, (pp_rank, expected, peak)
 
 
 def check_timeline(path, schedule, *, pp, n_micro):

@@ -15,6 +15,8 @@ from trainer.config import load_config
 P = "--parallelism."
 TIED = "--model.tie_embeddings"
 CP = P + "context_parallel_degree"
+# Every parity run's gradient norm is 0.6-0.9, below the default max_norm of 1.0: these cases clip at every step.
+CLIP = ["--training.max_norm", "0.3"]
 
 # (ranks, overrides); local batch sizes keep the global batch at 8 sequences.
 LAYOUTS = {
@@ -46,6 +48,12 @@ LAYOUTS = {
     "CP2xFSDP2": (4, [CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     "CP2xTP2+SP+LP": (4, [CP, "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "CP2+accum2": (2, [CP, "2", "--training.local_batch_size", "4"]),
+    # Clipping that engages, on sharded gradients (FSDP and TP DTensors, their product, CP with FSDP).
+    "FSDP2+clip": (2, [*CLIP, P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+    "TP2+clip": (2, [*CLIP, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "FSDP2xTP2+clip": (4, [*CLIP, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
+                           "--training.local_batch_size", "4"]),
+    "CP2xFSDP2+clip": (4, [*CLIP, CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     # Activation checkpointing under CP: the recomputed forward must run the gathered attention too.
     "CP2+AC": (2, [CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
     "CP2+SAC-op": (2, [CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective",
@@ -55,19 +63,23 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Single-process results and tensors, untied and tied, computed once."""
+    """Single-process results and tensors for each set of model/training extras (tied, clipped), computed once."""
     cache = {}
 
-    def get(tied: bool):
-        if tied not in cache:
+    def get(extra: tuple[str, ...]):
+        if extra not in cache:
             dump = tmp_path_factory.mktemp("ref")
-            extra = [TIED] if tied else []
-            cache[tied] = record(load_config(
-                overrides=PARITY + extra + ["--training.local_batch_size", "8", "--job.dump_folder", str(dump)]
+            cache[extra] = record(load_config(
+                overrides=PARITY + list(extra) + ["--training.local_batch_size", "8", "--job.dump_folder", str(dump)]
             ))
-        return cache[tied]
+        return cache[extra]
 
     return get
+
+
+def reference_extra(overrides: list[str]) -> tuple[str, ...]:
+    """What of a case's overrides the single-process reference must share: tied weights, the clipping norm."""
+    return ((TIED,) if TIED in overrides else ()) + (tuple(CLIP) if CLIP[0] in overrides else ())
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +93,7 @@ def launches(request, tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, references, launches, tmp_path):
     nproc, overrides = LAYOUTS[name]
-    reference, tensors = references(TIED in overrides)
+    reference, tensors = references(reference_extra(overrides))
     result = launches.result(name, tmp_path)
     assert_parity(name, result, reference, tensors)
     assert len(result["losses"]) == 3
@@ -92,7 +104,7 @@ def test_layout_matches_single_process(name, references, launches, tmp_path):
 def test_a_position_offset_on_one_context_parallel_rank_is_caught(references, tmp_path):
     """Rank 1 of CP2 rotates its tokens as if they sat one position earlier (an off-by-one chunk
     offset; the attention mask stays right): the per-tensor comparison must fail."""
-    reference, tensors = references(False)
+    reference, tensors = references(())
     result = run_layout(2, LAYOUTS["CP2"][1], tmp_path, fault="cp_rope_offset")
     cmp = compare(result["tensors"], tensors)
     assert not cmp.ok and any("attention.wq.weight" in f for f in cmp.failures)

@@ -16,15 +16,30 @@ def test_ac_modes_match_no_ac(tiny_args, mode, option):
     assert ac.grad_norms == pytest.approx(base.grad_norms, rel=1e-6)
 
 
-def test_ac_keeps_parameter_names():
+def test_ac_keeps_parameter_names_and_gradients_and_saves_less():
+    import copy
+
     from trainer.models.llama import LlamaArgs, Transformer
     from trainer.parallel.ac import apply_ac
+    from trainer.profiling import SavedActivationMeter
 
+    torch.manual_seed(0)
     model = Transformer(LlamaArgs(dim=32, n_layers=2, n_heads=2, vocab_size=64, multiple_of=16, max_seq_len=8))
+    checkpointed = copy.deepcopy(model)
     names = [n for n, _ in model.named_parameters()]
-    apply_ac(model, mode="full", option="1", layers_attr="layers")
-    assert [n for n, _ in model.named_parameters()] == names
-    model(torch.randint(0, 64, (1, 8))).sum().backward()
+    apply_ac(checkpointed, mode="full", option="1", layers_attr="layers")
+    assert [n for n, _ in checkpointed.named_parameters()] == names
+    tokens = torch.randint(0, 64, (1, 8))
+    saved = []
+    for m in (model, checkpointed):
+        meter = SavedActivationMeter([m])
+        with meter:
+            loss = m(tokens).sum()
+        saved.append(meter.peak)
+        loss.backward()
+    assert saved[1] < saved[0]  # the blocks keep only their inputs: the checkpointing is really there
+    for (name, a), b in zip(model.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=0, msg=name)
 
 
 @pytest.mark.slow

@@ -58,3 +58,28 @@ def test_the_estimate_of_one_process_equals_what_autograd_saves(tmp_path, overri
     (estimate,) = activation_peaks(load_plan(args), "cpu")
     (measured,) = result.activation_peaks[1]
     assert estimate == pytest.approx(measured, rel=1e-3)  # read from the same operations: equal up to a few bytes
+
+
+def test_the_checkpointing_terms_of_the_estimate_match_what_autograd_saves(tmp_path):
+    """Under activation checkpointing a checkpointed block keeps only its input, and in backward one block's
+    activations are recomputed and alive again. The meter sees what the forward keeps (the recomputation
+    runs inside torch's checkpoint, out of its sight), so: estimate = measured kept + one block's recompute,
+    and, the two blocks being alike, one block's recompute = (measured without AC - measured with full AC) / 2."""
+    from trainer.train import main
+
+    def run(*overrides):
+        args = ["--model.overrides.n_layers", "2", "--training.seq_len", "64", "--training.steps", "1",
+                "--profiling.activation_memory_steps", "1", "--validation.no-enable", "--metrics.no-enable_tensorboard",
+                "--job.dump_folder", str(tmp_path / str(len(overrides))), *overrides]
+        (measured,) = main(load_config(overrides=args)).activation_peaks[1]
+        (estimate,) = activation_peaks(load_plan(args), "cpu")
+        return measured, estimate
+
+    plain, _ = run()
+    full, full_estimate = run("--activation_checkpoint.mode", "full")
+    every_2nd, every_2nd_estimate = run("--activation_checkpoint.mode", "selective",
+                                        "--activation_checkpoint.selective_ac_option", "2")  # block 0 of 0, 1
+    one_block = (plain - full) / 2
+    assert full < every_2nd < plain and one_block > 0
+    assert full_estimate == pytest.approx(full + one_block, rel=1e-3)
+    assert every_2nd_estimate == pytest.approx(every_2nd + one_block, rel=1e-3)

@@ -45,12 +45,32 @@ def test_validation_loss_is_the_cross_entropy_of_the_held_out_windows(tiny_args)
     assert result.eval_losses[2] != result.eval_losses[4]  # the weights changed in between
 
 
+def held_out_windows(config, spec: str) -> torch.Tensor:
+    """Every whole global batch of windows of the bundled documents' slice ``spec``, derived independently."""
+    docs = bundled_documents()
+    (part,) = datasets.ReadInstruction.from_spec(spec).to_absolute({"train": len(docs)})
+    tok = Tokenizer(max_ranks=config.model.overrides["vocab_size"] - 2)
+    stream = [t for d in docs[part.from_:part.to] for t in tok.encode(d, bos=True, eos=True)]
+    window, batch = config.training.seq_len + 1, config.training.local_batch_size
+    n = len(stream) // window // batch * batch
+    return torch.tensor(stream[: n * window]).view(n, window)
+
+
 def test_a_small_validation_set_and_oversized_steps(tiny_args, caplog):
+    """More steps asked than the held-out slice has batches: every whole batch it has is evaluated (not
+    none, which would be NaN), with a warning; the loss is their cross-entropy."""
     config = load_config(overrides=[*tiny_args, "--training.steps", "1", "--validation.enable",
                                     "--validation.split", "train[99%:]", "--validation.steps", "1000"])
+    keep = KeepModel()
     with caplog.at_level("WARNING"):
-        result = train_mod.main(config)
+        result = train_mod.main(config, observer=keep)
     assert list(result.eval_losses) == [1] and "[validation] steps=1000 exceeds the" in caplog.text
+    windows = held_out_windows(config, "train[99%:]")
+    assert len(windows) > 0
+    with torch.no_grad():
+        logits = keep.model(windows[:, :-1])
+    expected = F.cross_entropy(logits.flatten(0, 1).double(), windows[:, 1:].flatten()).item()
+    assert result.eval_losses[1] == pytest.approx(expected, rel=1e-5)
 
 
 def test_training_on_a_weighted_mix(tiny_args, tmp_path):

@@ -46,6 +46,19 @@ def test_router_picks_the_top_k_and_breaks_ties_towards_the_lower_expert():
     torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))  # norm_topk
 
 
+def test_router_ties_among_many_experts_follow_the_expert_index():
+    """64 experts with many exact ties: an unstable sort (or topk) orders equal scores differently on CPU at
+    this size (seen: 64 ties, unstable order differs), so only a stable, index-ordered choice passes."""
+    n = 64
+    router = Router(dataclasses.replace(TINY, n_experts=n, top_k=8, dim=n))
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(n))
+    x = torch.stack([torch.zeros(n), (torch.arange(n) % 2 == 0).float(), (torch.arange(n) % 3).float()])
+    _, experts, _ = router(x)
+    expected = [sorted(range(n), key=lambda i, row=row: (-row[i], i))[:8] for row in x.tolist()]
+    assert experts.tolist() == expected
+
+
 def test_the_balancing_bias_steers_the_choice_but_not_the_weights():
     args = dataclasses.replace(TINY, dim=4, bias_update_speed=1e-3, score_func="sigmoid", norm_topk=False,
                                route_scale=2.5)
@@ -242,3 +255,44 @@ def test_a_family_without_experts_refuses_expert_parallelism():
 
     with pytest.raises(ConfigError, match="model family llama3 has no experts"):
         load_plan(["--parallelism.expert_parallel_degree", "2"], 2)
+
+
+EP_DISPATCH = """
+import os, torch, torch.distributed as dist
+from trainer.parallel.ep import AllToAllDispatch
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+# 4 experts, 2 per rank. Rank r's rows are sorted by expert with these counts; row i holds 100 r + i. Each
+# rank receives its rows grouped by source rank (0 then 1), not by expert: [e0, e1, e1, e0, e0, e1] on rank 0.
+counts = torch.tensor([[1, 2, 2, 1], [2, 1, 1, 2]][rank])
+x = (100 * rank + torch.arange(int(counts.sum()), dtype=torch.float32)).unsqueeze(1).repeat(1, 3)
+
+def compute(rows, per_local_expert):
+    # each local expert adds 1000 x its global index to the rows it receives
+    local = torch.arange(len(per_local_expert)).repeat_interleave(per_local_expert)
+    return rows + 1000.0 * (2 * rank + local).unsqueeze(1)
+
+out = AllToAllDispatch(dist.group.WORLD, 2, 4)(x, counts, compute)
+expert = torch.arange(4).repeat_interleave(counts)
+assert torch.equal(out, x + 1000.0 * expert.unsqueeze(1).float()), (rank, out[:, 0].tolist())
+print("ok", rank, flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_expert_dispatch_returns_each_row_computed_by_its_expert_in_its_own_place(tmp_path):
+    """Two gloo ranks: every row comes back to its rank and position, computed by the expert it was sent to
+    (a wrong combine order, or rows handed to the wrong local expert, changes the values)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.distributed.harness import REPO
+
+    script = tmp_path / "dispatch.py"
+    script.write_text(EP_DISPATCH)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stderr[-2000:]

@@ -111,6 +111,23 @@ def test_resume_across_a_data_parallel_degree_change_is_exact(shards):
         assert [w for ld in four for w in windows_of(ld.next_step())] == expected[step]
 
 
+def test_resume_with_another_seq_len_continues_after_the_tokens_consumed(tok, shards, caplog):
+    """Saved after 6 windows of 9 tokens (54 tokens of the stream); resumed with windows of 13: the
+    next window starts at the first whole window past token 54, ceil(54 / 13) = 5, i.e. token 65, so no
+    text is seen twice and at most one window's worth is skipped. Unshuffled, that is the stream itself."""
+    stream = flat(tok)
+    first = loader(order([shards], window=9), batch=2)
+    for _ in range(3):
+        first.next_step()
+    state = first.state_dict()
+    assert state == {"windows": 6, "window_tokens": 9}
+    wider = loader(order([shards], window=13), batch=2)
+    wider.load_state_dict(state)
+    assert "resuming with seq_len + 1 = 13 instead of 9: data position converted by tokens" in caplog.text
+    assert wider.state_dict() == {"windows": 5, "window_tokens": 13}  # ceil(6 x 9 / 13)
+    assert windows_of(wider.next_step())[0] == stream[5 * 13:6 * 13]
+
+
 def test_shuffle_permutes_each_epoch_differently_and_reproducibly(shards):
     o = order([shards], shuffle=True, seed=7)
     n = o.num_windows[0]

@@ -40,3 +40,21 @@ def test_a_rank_without_progress_ends_at_the_timeout_with_one_line_naming_the_ke
 def test_progress_keeps_the_rank_alive_past_the_timeout():
     proc, _ = run(0.5, 12)  # 1.2 s of beats every 0.1 s
     assert proc.returncode == 0 and proc.stdout.strip() == "finished", proc.stderr
+
+
+PAUSED = """
+import time
+from trainer.watchdog import Watchdog
+dog = Watchdog(60, rank=0)
+dog.arm(0.5)
+with dog.paused():  # a checkpoint save: three timeouts long, without progress
+    time.sleep(1.5)
+time.sleep(0.2)  # armed again, with the clock restarted at the end of the pause
+dog.stop()
+print("finished")
+"""
+
+
+def test_a_pause_holds_the_watchdog_and_restarts_its_clock():
+    proc = subprocess.run([sys.executable, "-c", PAUSED], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "finished", proc.stderr
