@@ -97,8 +97,6 @@ def merge_shares(folder: Path) -> None:
 def find_damage(folder: Path) -> str | None:
     """What is wrong with ``folder`` by its ``checksums.json`` (None: intact, or saved without checksums).
     Every rank checks a share of the files; the verdicts are combined, so every rank returns the same."""
-    if not (folder / ".metadata").is_file():  # every rank sees the same folder: no collective needed
-        return "its .metadata is missing (the folder was emptied, or the save never completed)"
     names, expected, problem = [], [], 0  # problem: 0 none, 1 no manifest, 2 unreadable manifest
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
@@ -115,6 +113,8 @@ def find_damage(folder: Path) -> str | None:
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
     problem, most, fewest = int(seen[0]), int(seen[1]), -int(seen[2])
     if problem == 1:
+        if not (folder / ".metadata").is_file():  # no checksums and no metadata: nothing there to load
+            return "its .metadata is missing (the folder was emptied, or the save never completed)"
         logger.warning("checkpoint %s has no %s (saved without [checkpoint] verify, or the file was lost):"
                        " loading it unverified", folder, MANIFEST)
         return None
