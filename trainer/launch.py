@@ -47,8 +47,10 @@ def check_config(args) -> int:
             world = int(nodes) * int(per_node) if nodes.isdigit() and per_node.isdigit() else None
             # Memory is checked against this machine's device only on CPU: asking CUDA here would start
             # it in the launcher; the workers check it when they plan.
+            # Errors about the world size speak the launcher's language: the user set NGPU (and NNODES).
+            name = (f"NGPU {per_node}" if nodes == "1" else f"NNODES {nodes} x NGPU {per_node} = {world}") if world else ""
             build_job_plan(invocation.config, world or degrees_product(invocation.config),
-                           check_memory=device_type() != "cuda")
+                           check_memory=device_type() != "cuda", world_name=name)
     except UserError as e:
         for line in error_lines(e):
             print(f"error: {line}", file=sys.stderr)

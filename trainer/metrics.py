@@ -1,8 +1,10 @@
 """Console and TensorBoard metrics: loss, grad norm, lr, throughput, MFU, memory."""
 
+import collections
 import logging
 import math
 import resource
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,20 @@ def memory_gib(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "rss_peak"  # ru_maxrss is KiB
 
 
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def readable_names(names: list[str]) -> list[str]:
+    """Each name's last path part (``/data/web-prepared/`` -> ``web-prepared``); where two would be the same,
+    the whole names with their slashes replaced."""
+    short = [Path(n.rstrip("/")).name or n for n in names]
+    if len(set(short)) < len(short):
+        return [n.strip("/").replace("/", "_") for n in names]
+    return short
+
+
 @dataclass
 class StepStats:
     step: int
@@ -63,6 +79,7 @@ class MetricsLogger:
         dp_degree: int,
         world_size: int,
         config_toml: str = "",
+        total_steps: int = 0,
     ):
         self.log_freq = metrics.log_freq
         self.enabled = enabled
@@ -70,17 +87,41 @@ class MetricsLogger:
         self.flops_per_token = flops_per_token
         self.dp_degree, self.world_size = dp_degree, world_size
         self.peak = peak_flops(device, metrics.peak_flops)
+        self.total_steps = total_steps
         self.writer = None
-        if enabled and metrics.enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb_dir = Path(dump_folder) / metrics.save_tb_folder
-            self.writer = SummaryWriter(log_dir=str(self.tb_dir))
-            if config_toml:
-                self.writer.add_text("config", "```toml\n" + config_toml + "\n```")
+        self._tensorboard = enabled and metrics.enable_tensorboard
+        self._tb_root, self._config_toml = Path(dump_folder) / metrics.save_tb_folder, config_toml
+        self._started = False
+        self._run_start = time.monotonic()
+        self._step_seconds: collections.deque[float] = collections.deque(maxlen=20)  # recent windows, per step
         self._window_start = time.perf_counter()
         self._window_tokens = 0
         self._window_steps = 0
+
+    def start(self, resumed_step: int = 0) -> None:
+        """Open this run's TensorBoard folder: ``<save_tb_folder>/<YYYYmmdd-HHMMSS>``, one per run; a run that
+        resumes a checkpoint (``resumed_step`` > 0) continues the newest one, so its curve goes on."""
+        if self._started:
+            return
+        self._started = True
+        self._run_start = time.monotonic()
+        if not self._tensorboard:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        runs = sorted(p for p in self._tb_root.glob("*") if p.is_dir()) if self._tb_root.is_dir() else []
+        if resumed_step > 0 and runs:
+            self.tb_dir = runs[-1]
+        else:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            self.tb_dir = self._tb_root / stamp
+            n = 2
+            while self.tb_dir.exists():  # two runs started within a second
+                self.tb_dir, n = self._tb_root / f"{stamp}-{n}", n + 1
+        self.writer = SummaryWriter(log_dir=str(self.tb_dir))
+        if self._config_toml:
+            self.writer.add_text("config", "```toml\n" + self._config_toml + "\n```", resumed_step)
+        logger.info("TensorBoard: %s (%s)", self.tb_dir, "continued" if resumed_step > 0 and runs else "new run")
 
     def should_log(self, step: int) -> bool:
         return step % self.log_freq == 0 or step == 1
@@ -88,11 +129,13 @@ class MetricsLogger:
     def log(self, stats: StepStats, tokens: int) -> dict[str, float]:
         """Record one step; ``tokens`` is the number this rank's data-parallel replica trained on in it
         (its TP/PP peers share the same tokens)."""
+        self.start()
         self._window_tokens += tokens
         self._window_steps += 1
         if not self.should_log(stats.step):
             return {}
         elapsed = time.perf_counter() - self._window_start
+        self._step_seconds.append(elapsed / self._window_steps)
         # Data-parallel replicas see different tokens; the TP/PP peers of a replica share its tokens,
         # so the job's rate is dp replicas' worth, spread over every device of the job.
         job_tps = self._window_tokens / elapsed * self.dp_degree
@@ -112,10 +155,16 @@ class MetricsLogger:
         self._window_start, self._window_tokens, self._window_steps = time.perf_counter(), 0, 0
         if self.enabled:
             mfu = f"  mfu {values['mfu_percent']:5.2f}%" if "mfu_percent" in values else ""
+            progress, timing = f"step {stats.step:5d}", ""
+            if self.total_steps:
+                left = max(self.total_steps - stats.step, 0)
+                eta = statistics.median(self._step_seconds) * left
+                progress = f"step {stats.step:{len(str(self.total_steps))}d}/{self.total_steps}"
+                timing = f"  elapsed {_clock(time.monotonic() - self._run_start)}  eta {_clock(eta)}"
             logger.info(
-                "step %5d  loss %8.4f  grad_norm %8.4f  lr %.3e  tok/s %10.0f (%.0f/device)%s  step_time %.3fs  %s %.2fGiB",
-                stats.step, stats.loss, stats.grad_norm, stats.lr, values["tokens_per_second"], tps, mfu,
-                values["step_time_s"], mem_name, mem,
+                "%s  loss %8.4f  grad_norm %8.4f  lr %.3e  tok/s %10.0f (%.0f/device)%s  step_time %.3fs%s  %s %.2fGiB",
+                progress, stats.loss, stats.grad_norm, stats.lr, values["tokens_per_second"], tps, mfu,
+                values["step_time_s"], timing, mem_name, mem,
             )
             if self.writer is not None:
                 for name, value in values.items():
@@ -150,9 +199,10 @@ class MetricsLogger:
             self.writer.add_scalar("validation/perplexity", perplexity, step)
 
     def log_scalars(self, prefix: str, values: dict[str, float], step: int) -> None:
-        """TensorBoard scalars ``prefix/<name>`` (e.g. each dataset's share of the windows so far)."""
+        """TensorBoard scalars ``prefix/<name>`` (e.g. each dataset's share of the windows so far); a name that
+        is a path is shown by its last part (``data_share/web-prepared``, not ``data_share//data/web-prepared``)."""
         if self.writer is not None:
-            for name, value in values.items():
+            for name, value in zip(readable_names(list(values)), values.values(), strict=True):
                 self.writer.add_scalar(f"{prefix}/{name}", value, step)
 
     def close(self) -> None:

@@ -139,7 +139,7 @@ def compute_dtype(mixed_precision_param: str, device: str) -> torch.dtype:
     return torch_dtype(mixed_precision_param)
 
 
-def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = True) -> JobPlan:
+def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = True, world_name: str = "") -> JobPlan:
     """Decide and check everything about the job that needs no process group. Raises ConfigError.
 
     ``check_memory``: refuse a job whose lower-bound memory per device exceeds this machine's
@@ -148,7 +148,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     import_model_modules(config.model.modules)
     spec = get_model_spec(config.model.name)
     args = spec.with_seq_len(resolve_model_args(spec, config.model), t.seq_len)
-    dims = ParallelDims.from_config(p, world_size)
+    dims = ParallelDims.from_config(p, world_size, world_name)
     check_batch(t, dims.dp)
     if dims.tp > 1:
         for name, count in spec.tp_divisible(args).items():

@@ -215,6 +215,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
     metrics = MetricsLogger(
         config.metrics, dump_folder=config.job.dump_folder, enabled=reporting, device=device,
         flops_per_token=plan.flops_per_token, dp_degree=dims.dp, world_size=dims.world_size, config_toml=config_toml,
+        total_steps=min(config.training.steps, config.training.stop_at_step or config.training.steps),
     )
     pp_rank = meshes.world.get_local_rank("pp") if meshes.pp is not None else 0
     checkpointer = Checkpointer(
@@ -313,6 +314,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
     """Resume if a checkpoint exists, then train to ``[training] steps`` (or ``stop_at_step``)."""
     config = run.plan.config
     start_step = run.checkpointer.load()
+    run.metrics.start(start_step)
     result = TrainResult()
     distributed = run.plan.dims.world_size > 1
     watchdog = Watchdog(config.comm.train_timeout_seconds, dist.get_rank()) if distributed else None

@@ -13,6 +13,12 @@ REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
 
 
+def tb_run(dump):
+    """The run's TensorBoard folder: <dump>/tb/<YYYYmmdd-HHMMSS>, the only one of a fresh dump folder."""
+    (run,) = [p for p in (dump / "tb").iterdir() if p.is_dir()]
+    return run
+
+
 def launch(cmd, env=None, **kw):
     return subprocess.run(cmd, cwd=REPO, env=env or ENV, capture_output=True, text=True, timeout=600, **kw)
 
@@ -23,7 +29,7 @@ def test_readme_train_command_trains_the_debug_model(tmp_path):
     dump = tmp_path / "debug"
     proc = launch(["./run_train.sh", "--job.dump_folder", str(dump), "--training.steps", "20"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    events = EventAccumulator(str(dump / "tb"))
+    events = EventAccumulator(str(tb_run(dump)))
     events.Reload()
     losses = [e.value for e in events.Scalars("loss")]
     assert len(losses) == 20
@@ -31,7 +37,8 @@ def test_readme_train_command_trains_the_debug_model(tmp_path):
     for tag in ("grad_norm", "lr", "tokens_per_second", "step_time_s", "memory_rss_peak_gib"):
         assert tag in events.Tags()["scalars"]
     assert (dump / "config.toml").is_file()
-    assert "step    20  loss" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "step 20/20  loss" in out and "eta 0:00:00" in out and f"TensorBoard: {tb_run(dump)} (new run)" in out
 
 
 USER_ERRORS = [
@@ -142,7 +149,7 @@ def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, re
     timeline = [line for line in lines if "pipeline timeline of step 2" in line]
     assert len(timeline) == 1 and timeline[0].startswith(f"[rank{reporter}]:"), timeline
     assert (dump / "profile_traces" / "pipeline_timeline_step2.svg").is_file()
-    events = EventAccumulator(str(dump / "tb"))
+    events = EventAccumulator(str(tb_run(dump)))
     events.Reload()
     assert len(events.Scalars("loss")) == 3
 
@@ -192,7 +199,7 @@ def test_two_nodes_on_one_machine_reproduce_one_process(tmp_path):
     assert all(node.returncode == 0 for node in nodes), "\n".join(out[-3000:] for out in outputs)
     # one world of two ranks, one in each launch; the reporting rank's launch prints the job line
     assert sum("= 2 ranks" in out for out in outputs) == 1
-    events = EventAccumulator(str(dump / "tb"))
+    events = EventAccumulator(str(tb_run(dump)))
     events.Reload()
     losses = [e.value for e in events.Scalars("loss")]
     one = main(load_config(REPO / "configs" / "debug_model.toml", [*PARITY, "--training.local_batch_size", "8",

@@ -329,4 +329,4 @@ def test_launcher_checks_the_config_for_its_own_world_size(capsys, launcher_args
     if ok:
         assert code == 0, err
     else:
-        assert code == 2 and "does not divide WORLD_SIZE 3" in err and err.count("\n") == 1, err
+        assert code == 2 and "does not divide NGPU 3" in err and err.count("\n") == 1, err  # the launch variable

@@ -22,3 +22,37 @@ def test_tokens_per_device_and_mfu_count_every_device(dp, tp, pp, monkeypatch, t
     assert values["tokens_per_second_per_device"] == pytest.approx(per_device)
     # MFU: each device's share of the model FLOPs against one device's peak.
     assert values["mfu_percent"] == pytest.approx(100 * per_device * 1e4 / 1e9)
+
+
+def test_step_line_shows_progress_elapsed_and_eta(monkeypatch, tmp_path, caplog):
+    """Steps of 1 s each: at step 2 of 10, eight steps are left, so 8 s (median of the recent steps)."""
+    clock = iter([0.0, 1.0, 1.0, 2.0, 2.0])  # window opens at 0; steps logged at 1 s and 2 s
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))
+    logger = MetricsLogger(Metrics(enable_tensorboard=False), dump_folder=str(tmp_path), enabled=True,
+                           device=torch.device("cpu"), flops_per_token=1e4, dp_degree=1, world_size=1, total_steps=10)
+    with caplog.at_level("INFO"):
+        logger.log(StepStats(1, 5.0, 1.0, 1e-3), tokens=100)
+        logger.log(StepStats(2, 4.0, 1.0, 1e-3), tokens=100)
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("step  2/10  loss") and "eta 0:00:08" in line and "elapsed 0:00:0" in line
+
+
+def test_each_run_gets_its_own_tensorboard_folder_and_a_resume_continues_it(tmp_path, caplog):
+    caplog.set_level("INFO")
+    def run(resumed_step):
+        logger = MetricsLogger(Metrics(), dump_folder=str(tmp_path), enabled=True, device=torch.device("cpu"),
+                               flops_per_token=1.0, dp_degree=1, world_size=1, config_toml="[job]\n")
+        logger.start(resumed_step)
+        logger.close()
+        return logger.tb_dir
+
+    first, second = run(0), run(0)
+    assert first != second and first.parent == second.parent == tmp_path / "tb"  # two runs, two folders
+    assert run(5) == second  # a resumed run continues the newest run's curve
+    assert f"TensorBoard: {second} (continued)" in caplog.text
+
+
+def test_tensorboard_tags_of_paths_are_their_last_part():
+    assert metrics_mod.readable_names(["/tmp/byo/txt-prepared", "python_docs", "data/web/"]) == [
+        "txt-prepared", "python_docs", "web"]
+    assert metrics_mod.readable_names(["a/web", "b/web"]) == ["a_web", "b_web"]  # the same last part: whole names

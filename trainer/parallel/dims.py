@@ -32,11 +32,13 @@ class ParallelDims:
     """Expert-parallel ranks: a factor of dp_shard (the mesh splits dp_shard into dp_shard_mod_ep x ep)."""
 
     @classmethod
-    def from_config(cls, parallelism: Parallelism, world_size: int) -> "ParallelDims":
+    def from_config(cls, parallelism: Parallelism, world_size: int, world_name: str = "") -> "ParallelDims":
         """Resolve ``data_parallel_shard_degree = -1`` and check that the degrees fill the world.
 
-        ``parallelism`` is the ``[parallelism]`` section.
+        ``parallelism`` is the ``[parallelism]`` section; ``world_name`` says where the world size comes from
+        in the user's words (e.g. ``NGPU 2``), default ``WORLD_SIZE <n>``.
         """
+        world = world_name or f"WORLD_SIZE {world_size}"
         rep = parallelism.data_parallel_replicate_degree
         shard = parallelism.data_parallel_shard_degree
         cp = parallelism.context_parallel_degree
@@ -47,14 +49,14 @@ class ParallelDims:
             if world_size % others != 0:
                 raise ConfigError(
                     f"[parallelism] degrees do not divide the world: dp_replicate {rep} * cp {cp} * tp {tp}"
-                    f" * pp {pp} = {others} does not divide WORLD_SIZE {world_size}"
+                    f" * pp {pp} = {others} does not divide {world}"
                 )
             shard = world_size // others
         total = rep * shard * cp * tp * pp
         if total != world_size:
             raise ConfigError(
                 f"[parallelism] degrees do not match the world: dp_replicate {rep} * dp_shard {shard} * cp {cp}"
-                f" * tp {tp} * pp {pp} = {total} != WORLD_SIZE {world_size}"
+                f" * tp {tp} * pp {pp} = {total} != {world}"
             )
         ep = parallelism.expert_parallel_degree
         if ep > 1:
