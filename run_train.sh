@@ -88,5 +88,9 @@ fi
 # starts any process (a bad key fails here with one line), sharing its torch import with torchrun.
 # ${filter[@]+...}: an empty array expands to nothing under set -u on every bash (3.2 included)
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"  # the trainer package, also when not installed
+# What torchrun does itself with several processes and no OMP_NUM_THREADS, without its banner on every launch.
+if [ "$NGPU" -gt 1 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
+    export OMP_NUM_THREADS=1
+fi
 exec "$PYTHON" -m trainer.launch --check-config "${rendezvous[@]}" --nproc-per-node="$NGPU" \
     ${filter[@]+"${filter[@]}"} --role rank --tee 3 "$here/train.py" --job.config_file "$CONFIG_FILE" "$@"

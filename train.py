@@ -13,7 +13,9 @@ from trainer.errors import UserError, error_lines
 
 def run(argv: list[str]) -> int:
     from trainer.config import help_text, parse_args, to_toml
+    from trainer.log import init_config_logging
 
+    init_config_logging()
     try:
         invocation = parse_args(argv)
         if invocation.action == "help":

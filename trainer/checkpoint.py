@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,6 +37,9 @@ from trainer.dtypes import torch_dtype
 from trainer.errors import UserError
 
 logger = logging.getLogger(__name__)
+# DCP says this on every save and load of a one-process run, which is expected here and tells the user nothing.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 # The LR schedule is a function of the step counter in train_state, so it is not a part of its own.
 PARTS = CHECKPOINT_PARTS

@@ -9,17 +9,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def init_logging(level: int = logging.INFO) -> None:
-    """Configure the root logger once; which ranks print is chosen at launch (torchrun filters)."""
-    root = logging.getLogger()
-    if not any(getattr(h, "_trainer", False) for h in root.handlers):
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-        handler._trainer = True
-        root.addHandler(handler)
-    root.setLevel(level)
-
-
 def device_type() -> str:
     """'cuda' (or another torch.accelerator backend) when one is present, else 'cpu'."""
     accel = getattr(torch, "accelerator", None)

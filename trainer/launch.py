@@ -34,11 +34,16 @@ def main(argv: list[str]) -> int:
 def check_config(args) -> int:
     """0 when train.py's arguments make a job that can be planned on nnodes x nproc_per_node ranks;
     otherwise print the one-line error and return 2."""
+    import logging
+
     from trainer.config import parse_args
     from trainer.env import device_type
     from trainer.errors import UserError, error_lines
     from trainer.plan import build_job_plan, degrees_product
 
+    # The config's warnings are printed by the ranks (once, by rank 0, with their label); here they would be
+    # a third, unlabelled copy (Python's last-resort handler).
+    logging.getLogger().addHandler(logging.NullHandler())
     try:
         invocation = parse_args(args.training_script_args)
         if invocation.action == "train":

@@ -26,7 +26,8 @@ from trainer.config import JobConfig, to_toml
 from trainer.config.validate import output_folders
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
 from trainer.dtensor import full_tensor, local_tensor
-from trainer.env import init_determinism, init_device, init_logging
+from trainer.env import init_determinism, init_device
+from trainer.log import init_logging
 from trainer.errors import TrainingDiverged, UserError
 from trainer.evaluate import Evaluator
 from trainer.loss import count_label_tokens

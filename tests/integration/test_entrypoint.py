@@ -135,11 +135,16 @@ def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, re
     proc = launch(
         ["./run_train.sh", "--job.dump_folder", str(dump), "--training.steps", "3", "--training.local_batch_size", "4",
          "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "2",
-         "--parallelism.pipeline_parallel_schedule", schedule, "--profiling.pipeline_timeline_steps", "2"],
-        env={**ENV, "NGPU": "2"},
+         "--parallelism.pipeline_parallel_schedule", schedule, "--profiling.pipeline_timeline_steps", "2",
+         "--lr_scheduler.warmup_steps", "5"],
+        env={k: v for k, v in {**ENV, "NGPU": "2"}.items() if k != "OMP_NUM_THREADS"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (proc.stdout + proc.stderr).splitlines()
+    # A config warning: once per job (not per rank, not by the launcher), labelled; no torchrun OMP banner.
+    warned = [line for line in lines if "warmup_steps=5 exceeds [training] steps=3" in line]
+    assert len(warned) == 1 and " WARNING trainer.config.validate: " in warned[0], warned
+    assert not any("OMP_NUM_THREADS" in line for line in lines)
     step_lines = [line for line in lines if "  loss " in line and "validate step" not in line]
     assert len(step_lines) == 3 and all(line.startswith(f"[rank{reporter}]:") for line in step_lines), step_lines
     # the debug config's [validation] runs after the last step; its line comes from the same rank
