@@ -21,6 +21,8 @@ def main(argv: list[str]) -> int:
     args = get_args_parser().parse_args(argv[1:] if check else argv)
     if check and (code := check_config(args)):
         return code
+    if str(args.nnodes).rpartition(":")[2] not in ("", "1"):
+        announce_rendezvous(args)
     try:
         run(args)
     except ChildFailedError as e:
@@ -29,6 +31,46 @@ def main(argv: list[str]) -> int:
         # means a user error was reported.
         return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
     return 0
+
+
+def announce_rendezvous(args, first: float = 5.0, every: float = 15.0) -> None:
+    """Several nodes: while this node waits for the others to join the rendezvous, say so every ``every``
+    seconds (the first time after ``first``), and once they have, which node this is. torchrun itself is
+    silent for as long as the rendezvous waits (minutes, when a node was never started)."""
+    import threading
+    import time
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    handler_class = dynamic_rendezvous.DynamicRendezvousHandler
+    join = handler_class.next_rendezvous
+    nodes = str(args.nnodes).rpartition(":")[2]
+
+    def next_rendezvous(self):
+        done, start = threading.Event(), time.monotonic()
+        timeout = getattr(getattr(getattr(self, "_settings", None), "timeout", None), "join", None)
+        limit = f" of {timeout.total_seconds():.0f} s ([rdzv-conf] join_timeout)" if timeout is not None else ""
+
+        def tell():
+            wait = first
+            while not done.wait(wait):
+                print(f"launcher: waiting for all {nodes} nodes to join the rendezvous at {args.rdzv_endpoint} (job id"
+                      f" {args.rdzv_id}): {time.monotonic() - start:.0f} s{limit} so far; start the same command on"
+                      " every node", file=sys.stderr, flush=True)
+                wait = every
+
+        threading.Thread(target=tell, name="rendezvous-announce", daemon=True).start()
+        try:
+            info = join(self)
+        finally:
+            done.set()
+        rank, world = (info[1], info[2]) if isinstance(info, tuple) else (getattr(info, "rank", "?"),
+                                                                            getattr(info, "world_size", "?"))
+        print(f"launcher: node {rank} of {world} joined after {time.monotonic() - start:.0f} s; starting"
+              f" {args.nproc_per_node} process(es) here", file=sys.stderr, flush=True)
+        return info
+
+    handler_class.next_rendezvous = next_rendezvous
 
 
 def check_config(args) -> int:

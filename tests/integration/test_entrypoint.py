@@ -187,6 +187,34 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_a_lone_node_says_it_is_waiting_for_the_others():
+    """NNODES=2 with only one node started: within 15 s it prints that it waits, for how many nodes, where."""
+    import signal
+    import threading
+
+    port = _free_port()
+    env = {**ENV, "NNODES": "2", "NGPU": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": "lone"}
+    proc = subprocess.Popen(["./run_train.sh", "--training.steps", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen, lines = threading.Event(), []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("launcher: waiting for all 2 nodes"):
+                seen.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert seen.wait(15), "".join(lines)[-2000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    line = next(x for x in lines if x.startswith("launcher: waiting"))
+    assert f"rendezvous at 127.0.0.1:{port} (job id lone)" in line and "start the same command on every node" in line
+
+
 def test_two_nodes_on_one_machine_reproduce_one_process(tmp_path):
     """Two run_train.sh launches with NNODES=2 (one process each) meet at a localhost c10d
     rendezvous and train FSDP over the two "nodes": the losses are those of one process."""
@@ -204,6 +232,9 @@ def test_two_nodes_on_one_machine_reproduce_one_process(tmp_path):
     assert all(node.returncode == 0 for node in nodes), "\n".join(out[-3000:] for out in outputs)
     # one world of two ranks, one in each launch; the reporting rank's launch prints the job line
     assert sum("= 2 ranks" in out for out in outputs) == 1
+    # every node's log says which node it is (the non-reporting node's log is not empty)
+    assert sorted(next(line for line in out.splitlines() if line.startswith("launcher: node")).split()[2]
+                  for out in outputs) == ["0", "1"]
     events = EventAccumulator(str(tb_run(dump)))
     events.Reload()
     losses = [e.value for e in events.Scalars("loss")]
