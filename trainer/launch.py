@@ -49,7 +49,7 @@ def announce_rendezvous(args, first: float = 5.0, every: float = 15.0) -> None:
     def next_rendezvous(self):
         done, start = threading.Event(), time.monotonic()
         timeout = getattr(getattr(getattr(self, "_settings", None), "timeout", None), "join", None)
-        limit = f" of {timeout.total_seconds():.0f} s ([rdzv-conf] join_timeout)" if timeout is not None else ""
+        limit = f" of {timeout.total_seconds():.0f} s (torchrun's rendezvous join_timeout)" if timeout is not None else ""
 
         def tell():
             wait = first
