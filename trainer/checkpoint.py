@@ -25,6 +25,7 @@ import json
 import logging
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import torch.distributed as dist
 
 from trainer.config import schema
 from trainer.config.schema import CHECKPOINT_PARTS
+from trainer.dtensor import local_tensor
 from trainer.dtypes import torch_dtype
 from trainer.errors import UserError
 
@@ -183,6 +185,16 @@ def _tensor_groups(keys: list[str], shown: int = 6) -> str:
     return ", ".join(groups[:shown]) + (f", ... ({len(groups) - shown} more)" if len(groups) > shown else "")
 
 
+def _state_bytes(state) -> int:
+    """Bytes of the tensors this rank holds in ``state`` (nested dicts; sharded tensors count their local part)."""
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, torch.Tensor):
+        t = local_tensor(state)
+        return t.numel() * t.element_size()
+    return 0
+
+
 def _digest(text: str) -> int:
     """A 63-bit fingerprint of ``text``, storable as an int64 tensor."""
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
@@ -216,6 +228,7 @@ class Checkpointer:
         self.batch = batch
         self.tokenizer = tokenizer
         self.pending = None  # (future, name) of an asynchronous save in flight
+        self._began: dict[str, float] = {}  # when each save in progress started (for the "saved" line)
         self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
 
     # -- state --------------------------------------------------------------------------------
@@ -291,6 +304,9 @@ class Checkpointer:
             if path.exists() and not path.is_dir():
                 raise UserError(f"[checkpoint] folder: {path} is a file, where checkpoint {name} is to be saved;"
                                 f" move it away and resume (the checkpoints saved so far are kept)")
+        self._began[name] = time.monotonic()
+        logger.info("checkpoint %s: saving %.2f GiB (this rank's share)%s", name, _state_bytes(state) / 2**30,
+                    " in the background" if background else "")
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         _barrier()
@@ -307,7 +323,6 @@ class Checkpointer:
             if self._background is None:
                 self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
             self.pending = (self._background.submit(self._finish_files, saving, tmp), name)
-            logger.info("checkpoint %s: saving in the background", name)
         else:
             try:
                 _dcp().save(state, checkpoint_id=str(tmp))
@@ -363,7 +378,8 @@ class Checkpointer:
             final = self.folder / name
             shutil.rmtree(final, ignore_errors=True)
             (self.folder / f"{name}.tmp").rename(final)
-            logger.info("checkpoint saved: %s", final)
+            seconds = time.monotonic() - self._began.pop(name, time.monotonic())
+            logger.info("checkpoint saved: %s (%.1f s)", final, seconds)
             self._purge()
         _barrier()
 
@@ -477,6 +493,8 @@ class Checkpointer:
                        " configured; the optimisation continues with the new batch", saved, self.batch.sequences, step + 1)
 
     def _load(self, path: Path, step: int | None) -> int:
+        began = time.monotonic()
+        logger.info("loading checkpoint %s", path)
         if step is not None and self.cfg.initial_load_path:
             logger.warning("[checkpoint] initial_load_path %s is not used: the run resumes its own checkpoint %s"
                            " (initial_load_path only starts a run that has no checkpoint yet)",
@@ -554,5 +572,5 @@ class Checkpointer:
         if "rng" in state:
             for key, value in state["rng"].items():
                 (torch.set_rng_state if key.endswith(".cpu") else torch.cuda.set_rng_state)(value)
-        logger.info("resumed from %s (%s)", path, ", ".join(wanted))
+        logger.info("resumed from %s (%s) in %.1f s", path, ", ".join(wanted), time.monotonic() - began)
         return resumed

@@ -27,7 +27,7 @@ def train(args, dump):
 
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
-def test_exact_resume_single_process(tmp_path, async_mode):
+def test_exact_resume_single_process(tmp_path, async_mode, caplog):
     args = ["--training.local_batch_size", "8", "--training.steps", "8", "--checkpoint.async_mode", async_mode,
             "--checkpoint.enable", "--checkpoint.interval", "2"]
     straight = train(args, tmp_path / "straight")
@@ -37,6 +37,14 @@ def test_exact_resume_single_process(tmp_path, async_mode):
     assert first.losses == straight.losses[:4]
     # Bit for bit: same layout, so every number after the resume is identical.
     assert second.losses == straight.losses[4:] and second.grad_norms == straight.grad_norms[4:]
+    # Each long phase says when it starts and how long it took (a start line, an end line: no flood).
+    import re
+
+    log = caplog.text
+    assert re.search(r"checkpoint step-2: saving \d+\.\d\d GiB \(this rank's share\)", log)
+    assert re.search(r"checkpoint saved: .*step-2 \(\d+\.\d s\)", log)
+    assert re.search(r"loading checkpoint .*step-4\n", log)
+    assert re.search(r"resumed from .*step-4 \(model, .*\) in \d+\.\d s", log)
 
 
 @pytest.mark.slow
