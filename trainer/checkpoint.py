@@ -185,6 +185,23 @@ def _tensor_groups(keys: list[str], shown: int = 6) -> str:
     return ", ".join(groups[:shown]) + (f", ... ({len(groups) - shown} more)" if len(groups) > shown else "")
 
 
+def _dcp_errors() -> tuple[type[BaseException], ...]:
+    """What a DCP save or load raises on failure: its CheckpointException (a BaseException, gathered from every
+    rank) or an ordinary exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return Exception, CheckpointException
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's CheckpointException (rank -> (exception, traceback)), else ``error``."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return error
+
+
 def _state_bytes(state) -> int:
     """Bytes of the tensors this rank holds in ``state`` (nested dicts; sharded tensors count their local part)."""
     if isinstance(state, dict):
@@ -318,7 +335,7 @@ class Checkpointer:
         if background:
             try:
                 saving = _dcp().async_save(state, checkpoint_id=str(tmp))
-            except BaseException as e:  # DCP's CheckpointException derives from BaseException
+            except _dcp_errors() as e:
                 raise self._save_failed(name, e) from None
             if self._background is None:
                 self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
@@ -326,9 +343,7 @@ class Checkpointer:
         else:
             try:
                 _dcp().save(state, checkpoint_id=str(tmp))
-            except BaseException as e:
-                if isinstance(e, KeyboardInterrupt):
-                    raise
+            except _dcp_errors() as e:
                 raise self._save_failed(name, e) from None
             _barrier()  # every rank's files are on disk before any rank lists the folder
             if self.cfg.verify:
@@ -349,9 +364,7 @@ class Checkpointer:
             self.pending = None
             try:
                 future.result()
-            except BaseException as e:
-                if isinstance(e, KeyboardInterrupt):
-                    raise
+            except _dcp_errors() as e:
                 raise self._save_failed(name, e) from None
             self._publish(name)
 
@@ -360,10 +373,7 @@ class Checkpointer:
         checkpoints before it are untouched, and the error names the folder and the cause."""
         if _rank() == 0:
             shutil.rmtree(self.folder / f"{name}.tmp", ignore_errors=True)
-        failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
-        if isinstance(failures, dict) and failures:
-            first = next(iter(failures.values()))
-            error = first[0] if isinstance(first, tuple) else first
+        error = _first_failure(error)
         cause = (error.strerror + (f" ({error.filename})" if error.filename else "")
                  if isinstance(error, OSError) and error.strerror
                  else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
@@ -532,12 +542,10 @@ class Checkpointer:
         if "dataloader" in state:  # every saved key: a stream's lanes were saved by the ranks that own them
             state["dataloader"] = {k.split(".", 1)[1]: torch.tensor(0) for k in saved if k.startswith("dataloader.")}
         dcp = _dcp()
-        from torch.distributed.checkpoint.api import CheckpointException
-
         try:
             dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=False))
-        except (Exception, CheckpointException) as e:  # CheckpointException derives from BaseException
-            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        except _dcp_errors() as e:
+            cause = _first_failure(e)
             first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
             raise UserError(
                 f"[checkpoint] cannot load {path} into this model ({first[:300]}); was it saved from another"

@@ -59,8 +59,7 @@ def describe_plan(plan: JobPlan) -> str:
         "Mesh: (" + ", ".join(f"{n}={getattr(dims, n)}" for n in (EP_DIM_NAMES if dims.ep > 1 else DIM_NAMES))
         + ")"
         + (" with dp_shard = dp_shard_mod_ep x ep; experts sharded over ep" if dims.ep > 1 else ""),
-        f"Batch: global {plan.global_batch_size} sequences = local {t.local_batch_size}"
-        f" x data-parallel {dims.dp} x accumulation {plan.accum_steps}",
+        f"Batch: global {plan.global_batch_size} sequences = {plan.global_batch_parts}",
         _data_line(config),
         f"Metrics reported by rank {plan.reporting_rank}",
     ]

@@ -84,6 +84,11 @@ class JobPlan:
     def global_batch_size(self) -> int:
         return self.config.training.local_batch_size * self.dims.dp * self.accum_steps
 
+    @property
+    def global_batch_parts(self) -> str:
+        """How the global batch is made up, for messages: ``local 4 x data-parallel 2 x accumulation 1``."""
+        return f"local {self.config.training.local_batch_size} x data-parallel {self.dims.dp} x accumulation {self.accum_steps}"
+
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return compute_dtype(self.config.training.mixed_precision_param, device.type)
 

@@ -223,9 +223,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         config.checkpoint, dump_folder=config.job.dump_folder, chunks=parts.chunks, optimizers=optimizers,
         loader=loader, spec=plan.spec, model_args=plan.model_args, pp_rank=pp_rank, pp=dims.pp,
         hf_writer=not dist.is_initialized() or dist.get_rank() % (dims.world_size // dims.pp) == 0,
-        batch=GlobalBatch(plan.global_batch_size, config.training.global_batch_size == -1,
-                          f"local {config.training.local_batch_size} x data-parallel {dims.dp}"
-                          f" x accumulation {plan.accum_steps}"),
+        batch=GlobalBatch(plan.global_batch_size, config.training.global_batch_size == -1, plan.global_batch_parts),
         tokenizer=tokenizer.identity,
     )
     timeline = None

@@ -270,7 +270,12 @@ class MixEntry:
     name: str
     weight: float
     split: str
-    split_from: str  # "its own" or "[training.dataloader] split"
+    own_split: bool  # set in the entry; else [training.dataloader] split
+
+    @property
+    def split_key(self) -> str:
+        """The key that sets this dataset's split (named in errors and in the logged mix)."""
+        return f"[training.dataset_mix] {self.name!r} split" if self.own_split else "[training.dataloader] split"
 
 
 def mix_entries(training: Training) -> list[MixEntry]:
@@ -281,7 +286,7 @@ def mix_entries(training: Training) -> list[MixEntry]:
         key = f"[training.dataset_mix] {name!r}"
         if not name.strip():
             raise ConfigError("[training.dataset_mix]: an empty dataset name")
-        split, split_from = training.dataloader.split, "[training.dataloader] split"
+        split, own_split = training.dataloader.split, False
         weight = entry
         if isinstance(entry, dict):
             extra = sorted(set(entry) - {"weight", "split"})
@@ -292,12 +297,12 @@ def mix_entries(training: Training) -> list[MixEntry]:
             if "split" in entry:
                 if not isinstance(entry["split"], str) or not entry["split"].strip():
                     raise ConfigError(f"{key}: split {entry['split']!r} is not a split name such as 'train[:90%]'")
-                split, split_from = entry["split"], "its own"
+                split, own_split = entry["split"], True
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ConfigError(f"{key}: weight {weight!r} is not a number")
         if not weight > 0 or weight == float("inf"):
             raise ConfigError(f"{key}: weight {weight} must be a finite number > 0")
-        out.append(MixEntry(name, float(weight), split, split_from))
+        out.append(MixEntry(name, float(weight), split, own_split))
     return out
 
 

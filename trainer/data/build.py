@@ -92,14 +92,12 @@ def _mix_sources(training: Training) -> list[tuple[Source, float]]:
     out = []
     for entry in mix_entries(training):
         local = entry.name != BUNDLED and Path(entry.name).exists()
-        if entry.split_from == "its own" and is_prepared(entry.name):
+        if entry.own_split and is_prepared(entry.name):
             raise UserError(f"[training.dataset_mix] {entry.name!r}: split {entry.split!r} cannot apply to prepared"
                             f" token shards (they are read whole); prepare the split you want with"
                             f" python -m trainer.data.prepare")
-        split_key = ("[training.dataloader] split" if entry.split_from != "its own"
-                     else f"[training.dataset_mix] {entry.name!r} split")
         out.append((Source("" if local else entry.name, entry.name if local else "", entry.split,
-                           section="[training.dataset_mix]", split_key=split_key), entry.weight))
+                           section="[training.dataset_mix]", split_key=entry.split_key), entry.weight))
     return out
 
 
@@ -110,7 +108,7 @@ def _log_mix(training: Training, shards: list[TokenShards]) -> None:
     logger.info("data mix of %d datasets (a split set by [training.dataloader] split applies to every dataset"
                 " without its own):", len(entries))
     for e, s in zip(entries, shards):
-        split = "prepared shards, read whole" if is_prepared(e.name) else f"split {e.split!r} ({e.split_from})"
+        split = "prepared shards, read whole" if is_prepared(e.name) else f"split {e.split!r} ({'its own' if e.own_split else e.split_key})"
         logger.info("  %s: weight %g (%.1f%% of windows), %s, %s documents, %s tokens", e.name, e.weight,
                     100 * e.weight / total, split, f"{s.num_documents:,}", f"{s.num_tokens:,}")
 

@@ -124,8 +124,8 @@ class TokenShards:
             part[:] = self._maps[i][offset:offset + take]
             # A damaged file (a flipped byte) holds ids the embedding has no row for: name the file, not
             # an index error deep in the model. One max over the window: cheap next to the step.
-            if take and (int(part.max()) >= self.vocab_size or int(part.min()) < 0):
-                bad = int(part.max()) if int(part.max()) >= self.vocab_size else int(part.min())
+            if take and ((hi := int(part.max())) >= self.vocab_size or (lo := int(part.min())) < 0):
+                bad = hi if hi >= self.vocab_size else lo
                 raise UserError(f"{self.key}: shard file {self.folder / self.shards[i].tokens} holds token id {bad}"
                                 f" at token {offset + int(np.argmax(part == bad))}, outside the vocabulary of"
                                 f" {self.vocab_size}: the file is damaged (check it with python -m"
