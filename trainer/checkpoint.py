@@ -232,10 +232,11 @@ class Checkpointer:
 
     def __init__(self, checkpoint: schema.Checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
                  pp_rank: int = 0, pp: int = 1, hf_writer: bool = True, batch: "GlobalBatch | None" = None,
-                 tokenizer: str = ""):
+                 tokenizer=None):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
         rank's file of a Hugging Face export (one writer per pipeline rank). ``batch`` is this run's global
-        batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer's identity, likewise."""
+        batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer (its identity likewise; its files go
+        into the Hugging Face export)."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
@@ -243,7 +244,8 @@ class Checkpointer:
         self.aliases = spec.tied_aliases(model_args)
         self.pp_rank, self.pp, self.hf_writer = pp_rank, pp, hf_writer
         self.batch = batch
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer.identity if tokenizer is not None else ""
+        self.tokenizer_files = tokenizer
         self.pending = None  # (future, name) of an asynchronous save in flight
         self._began: dict[str, float] = {}  # when each save in progress started (for the "saved" line)
         self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
@@ -302,7 +304,7 @@ class Checkpointer:
             from trainer.hf import export_hf
 
             export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}", torch_dtype(self.cfg.export_dtype),
-                      pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer)
+                      pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer, tokenizer=self.tokenizer_files)
         if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
             return
         self.wait()  # at most one save in flight: the next waits for the previous

@@ -5,6 +5,7 @@ Export writes ``model-0000i-of-0000P.safetensors`` (one file per pipeline rank),
 ``transformers.AutoModelForCausalLM.from_pretrained(folder)`` loads it.
 """
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from trainer.config.schema import Model
 from trainer.dtensor import full_tensor
 from trainer.errors import UserError
 from trainer.models import ModelSpec
@@ -35,8 +37,9 @@ def is_hf_folder(path: Path) -> bool:
 
 @torch.no_grad()
 def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *, pp_rank: int, pp: int,
-              writer: bool) -> None:
-    """Write this pipeline rank's weights; ``writer`` is the one rank per pipeline rank that writes.
+              writer: bool, tokenizer=None) -> None:
+    """Write this pipeline rank's weights; ``writer`` is the one rank per pipeline rank that writes. Rank 0
+    also writes config.json and, given the run's ``tokenizer``, its files and generation_config.json.
 
     Every rank must call this: gathering a sharded parameter is a collective over its mesh.
     """
@@ -67,44 +70,82 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
     if not dist.is_initialized() or dist.get_rank() == 0:
         total = sum(size for _, size in written.values())
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(names.items()))}, indent=2))
-        (folder / "config.json").write_text(json.dumps(hf.config(args, dtype), indent=2))
+        config = hf.config(args, dtype)
+        if tokenizer is not None:
+            tokenizer.save_hf(folder)
+            ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+            config.update(ids)
+            (folder / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         logger.info("Hugging Face export written: %s", folder)
     if dist.is_initialized():
         dist.barrier()
 
 
 _KEY = "[checkpoint] initial_load_path"
-# config.json keys that do not describe the weights: the file's dtype (weights are cast on load), the
-# library version, the context length (the rotary table is built for this run's seq_len), HF's own
-# training coefficient.
-_NOT_THE_MODEL = {"torch_dtype", "dtype", "transformers_version", "architectures", "max_position_embeddings",
-                  "router_aux_loss_coef"}
 
 
-def check_hf_config(folder: Path, spec: ModelSpec, args) -> None:
-    """Compare a Hugging Face folder's config.json with the configured model: every field that differs is
-    named with both values (and the key of ours that sets it), in one error. Without config.json, nothing
-    to compare: the tensor shapes are still checked when the weights load."""
+def read_hf_config(folder: Path, key: str = _KEY) -> dict:
+    """A Hugging Face folder's config.json; a missing or unreadable one is one UserError naming it."""
     path = folder / "config.json"
-    if spec.hf is None or not path.is_file():
-        return
     try:
-        saved = json.loads(path.read_text())
-        if not isinstance(saved, dict):
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
             raise TypeError("not a table")
+    except FileNotFoundError:
+        raise UserError(f"{key}: {folder} has no config.json (a Hugging Face model folder has one)") from None
     except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"{_KEY}: {path} is not a model config ({type(e).__name__}: {e})") from None
-    ours = spec.hf.config(args, torch.float32)
-    differ = []
-    for key, value in ours.items():
-        if key in _NOT_THE_MODEL or key not in saved or _same(saved[key], value):
-            continue
-        where = spec.hf.config_keys.get(key)
-        differ.append(f"{key} {saved[key]!r} (this model: {value!r}{', set by ' + where if where else ''})")
+        raise UserError(f"{key}: {path} is not a model config ({type(e).__name__}: {e})") from None
+    return config
+
+
+def hf_family(config: dict, folder: Path, key: str = _KEY) -> ModelSpec:
+    """The registered family whose HF class wrote this config.json (by ``model_type``)."""
+    from trainer.models.registry import _REGISTRY
+
+    model_type = config.get("model_type")
+    for spec in _REGISTRY.values():
+        if spec.hf is not None and spec.hf.from_config is not None and spec.hf.model_type == model_type:
+            return spec
+    known = sorted(f"{s.hf.model_type} ({s.name})" for s in _REGISTRY.values() if s.hf and s.hf.from_config)
+    raise UserError(f"{key}: {folder}/config.json has model_type {model_type!r}, which no model family reads"
+                    f" (known: {', '.join(known)})")
+
+
+def hf_model_args(config: dict, spec: ModelSpec, flavor: str, folder: Path) -> tuple[dict, bool]:
+    """(``[model.overrides]`` that turn ``flavor`` into the model config.json describes, its tie_embeddings)."""
+    base = spec.flavors[flavor]
+    try:
+        theirs = spec.hf.from_config(config, base)
+    except UserError as e:
+        raise UserError(f"{_KEY}: {folder}/{e}") from None
+    tied = theirs.pop("tie_embeddings")
+    return {k: v for k, v in theirs.items() if not _same(getattr(base, k), v)}, tied
+
+
+def adopt_hf_config(folder: Path, spec: ModelSpec, model: Model) -> Model:
+    """``[model]`` for a run that starts from the Hugging Face folder ``folder``: the model its config.json
+    describes, with the user's ``[model.overrides]`` on top (each one that differs from config.json said in
+    one warning). Another family than config.json's is refused, naming the right one."""
+    config = read_hf_config(folder)
+    theirs = hf_family(config, folder)
+    if theirs.name != spec.name:
+        raise UserError(f"[model] name = {spec.name!r}: {_KEY} {folder} holds a {config.get('model_type')} model, which"
+                        f" is family {theirs.name!r}; set [model] name = {theirs.name!r}")
+    adopted, tied = hf_model_args(config, spec, model.flavor, folder)
+    mine = dict(model.overrides)
+    differ = [f"{k}={mine[k]!r} (config.json: {adopted.get(k, getattr(spec.flavors[model.flavor], k))!r})"
+              for k in mine if not _same(mine[k], adopted.get(k, getattr(spec.flavors[model.flavor], k)))]
     if differ:
-        raise UserError(f"{_KEY}: {path} describes another model than the configured one: {'; '.join(differ)}. Set"
-                        " the configured model to match (e.g. with [model.overrides]) to start from these weights")
-    logger.info("%s: %s matches the configured model", _KEY, path)
+        logger.warning("[model.overrides] set other values than %s/config.json, and the configured ones are used (weights"
+                       " load only where their shapes agree): %s", folder, ", ".join(differ))
+    taken = {k: v for k, v in adopted.items() if k not in mine}
+    if taken or tied != model.tie_embeddings:
+        listed = ", ".join(f"{k}={v!r}" for k, v in taken.items())
+        if tied != model.tie_embeddings:
+            listed += f"{', ' if listed else ''}tie_embeddings={tied} (configured: {model.tie_embeddings})"
+        logger.info("[model] %s %s takes its shape from %s/config.json: %s", spec.name, model.flavor, folder, listed)
+    return dataclasses.replace(model, overrides={**adopted, **mine}, tie_embeddings=tied)
 
 
 def _same(a, b) -> bool:

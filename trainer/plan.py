@@ -8,6 +8,7 @@ prints it, ``main`` trains from it, ``run_train.sh``'s pre-check builds it, and 
 recomputes what it holds.
 """
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -152,6 +153,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     t, p = config.training, config.parallelism
     import_model_modules(config.model.modules)
     spec = get_model_spec(config.model.name)
+    config = adopt_imported_model(config, spec)
     args = spec.with_seq_len(resolve_model_args(spec, config.model), t.seq_len)
     dims = ParallelDims.from_config(p, world_size, world_name)
     check_batch(t, dims.dp)
@@ -181,10 +183,6 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     elif unused := _unused_pipeline_keys(p):
         logger.warning("[parallelism] pipeline_parallel_degree = 1: %s not used; the model runs whole, without a"
                        " pipeline schedule", ", ".join(unused))
-    if config.checkpoint.initial_load_path and (Path(config.checkpoint.initial_load_path) / "config.json").is_file():
-        from trainer.hf import check_hf_config  # only here: the launcher's check stays light otherwise
-
-        check_hf_config(Path(config.checkpoint.initial_load_path), spec, args)
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
         raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
     vocab = spec.vocab_size(args)
@@ -238,6 +236,17 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
             n_micro, pipeline.num_stages, "unknown" if bubble is None else f"{100 * bubble:.0f}%",
         )
     return plan
+
+
+def adopt_imported_model(config: JobConfig, spec: ModelSpec) -> JobConfig:
+    """The config with ``[model]`` taken from config.json when the run starts from a Hugging Face folder
+    (trainer.hf.adopt_hf_config); otherwise unchanged."""
+    folder = Path(config.checkpoint.initial_load_path) if config.checkpoint.initial_load_path else None
+    if folder is None or not (folder / "config.json").is_file() or spec.hf is None or spec.hf.from_config is None:
+        return config
+    from trainer.hf import adopt_hf_config  # only here: the launcher's check stays light otherwise
+
+    return dataclasses.replace(config, model=adopt_hf_config(folder, spec, config.model))
 
 
 def _unused_pipeline_keys(parallelism) -> list[str]:

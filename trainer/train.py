@@ -144,6 +144,7 @@ def main(config: JobConfig, *, observer: StepObserver | None = None) -> TrainRes
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     plan = build_job_plan(config, world_size)  # every rank plans, before any collective
+    config = plan.config  # with [model] from config.json when the run starts from a Hugging Face folder
     # Metrics are global after the all-reduce; one rank reports them, the others log warnings
     # and errors only, so the console shows one copy without choosing LOG_RANK.
     reporting = rank == plan.reporting_rank
@@ -224,7 +225,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         loader=loader, spec=plan.spec, model_args=plan.model_args, pp_rank=pp_rank, pp=dims.pp,
         hf_writer=not dist.is_initialized() or dist.get_rank() % (dims.world_size // dims.pp) == 0,
         batch=GlobalBatch(plan.global_batch_size, config.training.global_batch_size == -1, plan.global_batch_parts),
-        tokenizer=tokenizer.identity,
+        tokenizer=tokenizer,
     )
     timeline = None
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:

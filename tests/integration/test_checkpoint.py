@@ -54,6 +54,14 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
               "2", P + "pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "4",
               "--training.steps", "6", *CKPT]
     straight = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
+    # Its final checkpoint converts to Hugging Face in one process (issue 28): the weights are the 4-rank run's
+    # final parameters, bit for bit.
+    from trainer.convert import load_hf, run as convert
+
+    assert convert(["to-hf", str(tmp_path / "straight" / "checkpoint" / "step-6"), str(tmp_path / "hf")]) == 0
+    exported = load_hf(tmp_path / "hf", key="test", seq_len=32).model
+    for name, param in exported.named_parameters():
+        assert torch.equal(param, straight["tensors"][f"param/{name}"][0]), name
     run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
     # A newer checkpoint with one bit flipped in a file that rank 3 verifies (files are shared out
     # in name order: .metadata, __0_0, __1_0, __2_0, ...): every rank must agree to fall back to step 3.

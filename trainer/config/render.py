@@ -20,7 +20,7 @@ def walk_sections(cls: type, prefix: tuple[str, ...] = ()):
             yield from walk_sections(spec.section, prefix + (name,))
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -28,9 +28,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return _toml_string(value)
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
@@ -52,7 +52,7 @@ def _toml_key(key: str) -> str:
 def default_text(spec: FieldSpec) -> str:
     if spec.default is None:
         return "unset"
-    return _toml_value(spec.default)
+    return toml_value(spec.default)
 
 
 def to_toml(config: JobConfig) -> str:
@@ -67,7 +67,7 @@ def to_toml(config: JobConfig) -> str:
             value = getattr(section, name)
             if path + (name,) in _NOT_DUMPED or value is None:
                 continue  # TOML has no null: an unset optional is written by leaving it out
-            lines.append(f"{name} = {_toml_value(value)}")
+            lines.append(f"{name} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 

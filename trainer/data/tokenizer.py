@@ -17,6 +17,7 @@ identity differs from its tokenizer's.
 import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import tiktoken
@@ -83,6 +84,7 @@ class Tokenizer:
         self.vocab_size = num_ranks + NUM_SPECIAL
         digest = _CL100K_SHA256 if bundled else _sha256(path)
         self.identity = f"tiktoken:{path.name}:sha256={digest[:16]}:ranks={num_ranks}"
+        self._ranks = ranks
         self._enc = tiktoken.Encoding(
             name=path.stem,
             pat_str=_PAT,
@@ -102,6 +104,38 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
 
+    def save_hf(self, folder: Path) -> None:
+        """Write ``tokenizer.json`` (and its config) that encodes every text to the same ids with the
+        ``tokenizers`` library and transformers' ``AutoTokenizer``; encoding a text there adds BOS."""
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+        from tokenizers import Tokenizer as _HF
+
+        # Byte-level BPE spells each byte as one printable character (GPT-2's table); a merge of two
+        # tokens is listed for every split of a token into two tokens, in the token's rank order, so
+        # that the lowest-ranked pair is merged first, as tiktoken does.
+        char = _byte_chars()
+        spell = {token: "".join(char[b] for b in token) for token in self._ranks}
+        merges = []
+        for token, rank in self._ranks.items():
+            splits = [(self._ranks[token[:i]], self._ranks[token[i:]], token[:i], token[i:])
+                      for i in range(1, len(token)) if token[:i] in self._ranks and token[i:] in self._ranks]
+            merges += [(rank, a, b, spell[left], spell[right]) for a, b, left, right in splits]
+        merges.sort()
+        tok = _HF(models.BPE(vocab={spell[t]: r for t, r in self._ranks.items()},
+                             merges=[(left, right) for *_, left, right in merges], ignore_merges=True))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_PAT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+        tok.add_special_tokens([AddedToken(bos, special=True, normalized=False),
+                                AddedToken(eos, special=True, normalized=False)])
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, self.bos_id)])
+        folder.mkdir(parents=True, exist_ok=True)
+        tok.save(str(folder / "tokenizer.json"))
+        _write_tokenizer_config(folder, bos, eos)
+
 
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
@@ -116,6 +150,9 @@ class HFTokenizer:
             self._tok = _HF.from_file(str(path))
         except Exception as e:  # the Rust parser raises a bare Exception with the serde message
             raise UserError(f"[model] tokenizer_path: {path} is not a Hugging Face tokenizer.json ({e})") from None
+        # Special-token text inside documents is ordinary text, as for tiktoken files (a document quoting
+        # "<|endoftext|>" does not end there); begin/end-of-text ids are added by id.
+        self._tok.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         bos, eos = self._special_tokens(path)
         self.bos_id = self._tok.token_to_id(bos) if bos else None
@@ -126,6 +163,7 @@ class HFTokenizer:
                 f" tokenizer_config.json and for {', '.join(_EOS_NAMES)}); documents could not be separated"
             )
         self.identity = f"hf:{path.name}:sha256={_sha256(path)[:16]}:bos={self.bos_id}:eos={self.eos_id}"
+        self.path = path
 
     def _special_tokens(self, path: Path) -> tuple[str | None, str | None]:
         """(bos, eos) token text: tokenizer_config.json's, else the first known name in the vocabulary."""
@@ -159,6 +197,38 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+    def save_hf(self, folder: Path) -> None:
+        """Copy ``tokenizer.json`` and its ``tokenizer_config.json`` (written when it has none)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.path, folder / "tokenizer.json")
+        config = self.path.with_name("tokenizer_config.json")
+        if config.is_file():
+            shutil.copyfile(config, folder / "tokenizer_config.json")
+        else:
+            name = self._tok.id_to_token
+            _write_tokenizer_config(folder, name(self.bos_id) if self.bos_id is not None else None, name(self.eos_id))
+
+
+def _byte_chars() -> list[str]:
+    """The printable character that stands for each byte in byte-level BPE vocabularies (GPT-2's table):
+    printable Latin-1 bytes stand for themselves, the others for characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return [chars[b] for b in range(256)]
+
+
+def _write_tokenizer_config(folder: Path, bos: str | None, eos: str) -> None:
+    """``tokenizer_config.json`` for transformers' AutoTokenizer (a fast tokenizer from tokenizer.json)."""
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
+              "clean_up_tokenization_spaces": False, "model_input_names": ["input_ids", "attention_mask"],
+              "split_special_tokens": True}  # special-token text in a prompt is text, as in training
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def build_tokenizer(model_section: Model, model_vocab_size: int) -> Tokenizer | HFTokenizer:

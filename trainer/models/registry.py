@@ -38,8 +38,11 @@ class HFAdapter:
     (e.g. one weight for all experts, one per expert in HF); None = [hf_name(name)]."""
     unsupported: Callable[[Any], str | None] = lambda args: None
     """args -> why the HF class cannot hold this model (refused at plan time), or None."""
-    config_keys: dict[str, str] = field(default_factory=dict)
-    """config.json key -> the key of ours that sets it (named when an imported config differs from the model)."""
+    model_type: str = ""
+    """config.json ``model_type`` of the HF class (how an imported folder names its family)."""
+    from_config: Callable[[dict, Any], dict] | None = None
+    """(config.json, the flavor's args) -> our args as ``[model.overrides]`` keys plus ``tie_embeddings``; raises
+    UserError naming the config.json key it cannot compute. None = an imported config.json is not read."""
 
     def names(self, name: str, args: Any) -> list[str]:
         return self.hf_names(name, args) if self.hf_names is not None else [self.hf_name(name)]

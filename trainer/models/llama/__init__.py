@@ -26,7 +26,7 @@ register_model(
         activation_bytes=llama_activation_bytes,
         validate_args=validate_llama_args,
         hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config,
-                     config_keys=hf.CONFIG_KEYS),
+                     model_type="llama", from_config=hf.from_config),
     )
 )
 

@@ -9,6 +9,7 @@ import re
 
 import torch
 
+from trainer.errors import UserError
 from trainer.models.llama.args import LlamaArgs
 
 _LAYER = {
@@ -57,16 +58,6 @@ def from_hf(name: str, tensor: torch.Tensor, args: LlamaArgs) -> torch.Tensor:
     return tensor.view(heads, 2, out // heads // 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-O = "[model.overrides] "
-# config.json key -> our key that sets it (named when an imported config.json differs from the model)
-CONFIG_KEYS = {
-    "hidden_size": O + "dim", "num_hidden_layers": O + "n_layers", "num_attention_heads": O + "n_heads",
-    "num_key_value_heads": O + "n_kv_heads", "vocab_size": O + "vocab_size", "rms_norm_eps": O + "norm_eps",
-    "rope_theta": O + "rope_theta", "tie_word_embeddings": "[model] tie_embeddings",
-    "intermediate_size": O + "ffn_dim_multiplier and multiple_of", "head_dim": O + "dim / n_heads",
-}
-
-
 def hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -87,3 +78,56 @@ def hf_config(args: LlamaArgs, dtype: torch.dtype) -> dict:
         "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def _refuse_unless(config: dict, expected: dict, family: str) -> None:
+    """config.json settings this family computes only one way: any other value is refused, naming the key."""
+    for key, value in expected.items():
+        if key in config and config[key] not in value:
+            raise UserError(f"config.json {key} = {config[key]!r}: the {family} family computes only {value[0]!r}"
+                            " (no other setting is supported)")
+
+
+def rope_theta(config: dict) -> float:
+    """The rotary base, from ``rope_theta`` (transformers 4) or ``rope_parameters`` (5); scaled variants refused."""
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = config.get(key) or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise UserError(f"config.json {key} = {scaling!r}: not supported (the families here compute plain rotary"
+                            " embeddings)")
+    return float((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def require(config: dict, key: str):
+    if key not in config:
+        raise UserError(f"config.json has no {key!r}, which the model needs")
+    return config[key]
+
+
+def ffn_args(hidden: int, dim: int, base: LlamaArgs) -> dict:
+    """``multiple_of`` and ``ffn_dim_multiplier`` that give a SwiGLU hidden size of ``hidden`` for ``dim``: the
+    base flavor's when they do, else a rounding without multiplier, else a multiplier rounded up to ``hidden``."""
+    if LlamaArgs(dim=dim, multiple_of=base.multiple_of, ffn_dim_multiplier=base.ffn_dim_multiplier).ffn_hidden_dim == hidden:
+        return {"multiple_of": base.multiple_of, "ffn_dim_multiplier": base.ffn_dim_multiplier}
+    if base.ffn_dim_multiplier is None:
+        for multiple in (1024, 512, 256, 128, 64, 32, 16, 8):
+            if LlamaArgs(dim=dim, multiple_of=multiple).ffn_hidden_dim == hidden:
+                return {"multiple_of": multiple, "ffn_dim_multiplier": None}
+    # rounding up to a multiple of hidden itself gives exactly hidden for any multiplier in (0, hidden / base]
+    return {"multiple_of": hidden, "ffn_dim_multiplier": hidden / int(2 * 4 * dim / 3)}
+
+
+def from_config(config: dict, base: LlamaArgs) -> dict:
+    """config.json -> our args for LlamaForCausalLM: ``[model.overrides]`` keys on top of the flavor ``base``,
+    and ``tie_embeddings``. A setting this family cannot compute is one UserError naming the config.json key."""
+    _refuse_unless(config, {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
+                            "pretraining_tp": (1,)}, "llama3")
+    dim, heads = require(config, "hidden_size"), require(config, "num_attention_heads")
+    if config.get("head_dim") not in (None, dim // heads):
+        raise UserError(f"config.json head_dim = {config['head_dim']}: the llama3 family computes head_dim ="
+                        f" hidden_size / num_attention_heads = {dim // heads}")
+    return {"dim": dim, "n_layers": require(config, "num_hidden_layers"), "n_heads": heads,
+            "n_kv_heads": config.get("num_key_value_heads") or heads, "vocab_size": require(config, "vocab_size"),
+            "norm_eps": float(config.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta(config),
+            **ffn_args(require(config, "intermediate_size"), dim, base),
+            "tie_embeddings": bool(config.get("tie_word_embeddings", False))}

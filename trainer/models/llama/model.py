@@ -57,6 +57,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
         self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.kv_cache: KVCache | None = None
+        """Set for generation (trainer/generate.py): keys and values of the earlier positions are kept, and
+        ``x`` holds only the positions after them."""
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seq, _ = x.shape
@@ -66,11 +69,36 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        cache, mask = self.kv_cache, None
+        start = 0 if cache is None else cache.length
+        q, k = apply_rope(q, rope[start:]), apply_rope(k, rope[start:])
+        if cache is not None:
+            k, v = cache.append(k, v)
+            if start and seq > 1:  # new positions attend to every cached one and causally among themselves
+                mask = torch.arange(start + seq, device=x.device) <= torch.arange(start, start + seq, device=x.device)[:, None]
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=q.shape[2] != k.shape[2])
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             is_causal=start == 0, enable_gqa=q.shape[2] != k.shape[2])
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class KVCache:
+    """One attention layer's keys and values of the positions generated so far, in buffers of ``max_len``."""
+
+    def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype,
+                 device: torch.device):
+        self.k = torch.empty(batch, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions' keys and values; returns those of every position so far."""
+        end = self.length + k.shape[1]
+        if end > self.k.shape[1]:
+            raise ValueError(f"KV cache of {self.k.shape[1]} positions is full")
+        self.k[:, self.length:end], self.v[:, self.length:end] = k, v
+        self.length = end
+        return self.k[:, :end], self.v[:, :end]
 
 
 class FeedForward(nn.Module):

@@ -30,7 +30,7 @@ register_model(
         after_step=moe_after_step,
         num_experts=lambda args: args.n_experts,
         hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config,
-                     hf_names=hf.hf_names, unsupported=hf.unsupported, config_keys=hf.CONFIG_KEYS),
+                     hf_names=hf.hf_names, unsupported=hf.unsupported, model_type="qwen3_moe", from_config=hf.from_config),
     )
 )
 

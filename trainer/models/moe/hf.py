@@ -11,6 +11,7 @@ import re
 
 import torch
 
+from trainer.errors import UserError
 from trainer.models.llama import hf as llama_hf
 from trainer.models.moe.args import MoEArgs
 
@@ -71,14 +72,6 @@ def unsupported(args: MoEArgs) -> str | None:
     return None
 
 
-O = llama_hf.O
-CONFIG_KEYS = {  # Llama's, with the feed-forward keys of a mixture of experts
-    **llama_hf.CONFIG_KEYS, "intermediate_size": O + "dense_hidden_dim", "moe_intermediate_size": O + "expert_hidden_dim",
-    "num_experts": O + "n_experts", "num_experts_per_tok": O + "top_k", "norm_topk_prob": O + "norm_topk",
-    "mlp_only_layers": O + "n_dense_layers", "head_dim": O + "head_dim_override",
-}
-
-
 def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
@@ -106,3 +99,25 @@ def hf_config(args: MoEArgs, dtype: torch.dtype) -> dict:
         "use_sliding_window": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def from_config(config: dict, base: MoEArgs) -> dict:
+    """config.json -> our args for Qwen3MoeForCausalLM, as llama's ``from_config``."""
+    llama_hf._refuse_unless(config, {"hidden_act": ("silu",), "attention_bias": (False,),
+                                     "decoder_sparse_step": (1,), "use_sliding_window": (False,)}, "moe")
+    require = llama_hf.require
+    dim, heads, layers = require(config, "hidden_size"), require(config, "num_attention_heads"), require(config, "num_hidden_layers")
+    dense = list(config.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise UserError(f"config.json mlp_only_layers = {dense}: the moe family has its dense blocks first"
+                        " (mlp_only_layers = [0, 1, ..., n - 1])")
+    head_dim = config.get("head_dim") or dim // heads
+    return {"dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": config.get("num_key_value_heads") or heads,
+            "head_dim_override": None if head_dim * heads == dim and base.head_dim_override is None else head_dim,
+            "vocab_size": require(config, "vocab_size"), "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "rope_theta": llama_hf.rope_theta(config), "qk_norm": True, "n_dense_layers": len(dense),
+            "dense_hidden_dim": require(config, "intermediate_size"),
+            "expert_hidden_dim": require(config, "moe_intermediate_size"), "n_experts": require(config, "num_experts" if "num_experts" in config else "num_local_experts"),
+            "top_k": require(config, "num_experts_per_tok"), "norm_topk": bool(config.get("norm_topk_prob", False)),
+            "n_shared_experts": 0, "score_func": "softmax", "route_scale": 1.0, "bias_update_speed": 0.0,
+            "tie_embeddings": bool(config.get("tie_word_embeddings", False))}

@@ -1,0 +1,263 @@
+"""Convert checkpoints to and from Hugging Face folders, in one process (no distributed launch).
+
+    python -m trainer.convert to-hf CHECKPOINT_STEP_FOLDER OUT_FOLDER [--job.config_file JOB.toml] [--dtype bfloat16]
+    python -m trainer.convert from-hf HF_FOLDER OUT_FOLDER
+
+``to-hf`` reads any DCP checkpoint this trainer wrote (a full ``step-N`` or a weights-only
+``model-step-N``, saved on any layout) and writes config.json, safetensors with their index,
+generation_config.json and the tokenizer, which transformers' ``AutoModelForCausalLM`` and
+``AutoTokenizer`` load. The job config is the run's own ``config.toml`` (in its dump folder)
+unless ``--job.config_file`` names one; further ``--section.key value`` arguments override it.
+
+``from-hf`` turns a Hugging Face model folder (a family with an HF mapping: Llama, Qwen 3 MoE)
+into ``OUT_FOLDER/checkpoint`` (a DCP seed checkpoint of the weights), ``OUT_FOLDER/tokenizer.json``
+(when the folder has one) and ``OUT_FOLDER/model.toml``: the ``[model]`` that config.json
+describes and ``[checkpoint] initial_load_path``. A job file that ``extends`` it trains from
+those weights. Bad input prints one line and exits 2.
+"""
+
+import argparse
+import dataclasses
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import UserError, error_lines
+
+logger = logging.getLogger("trainer.convert")
+USAGE = ("usage: python -m trainer.convert to-hf CHECKPOINT_STEP_FOLDER OUT_FOLDER [--job.config_file FILE]"
+         " [--dtype DTYPE] [--section.key value ...]\n"
+         "       python -m trainer.convert from-hf HF_FOLDER OUT_FOLDER")
+
+
+@dataclass
+class Loaded:
+    """A whole model in one process, with what describes it."""
+
+    model: Any
+    spec: Any
+    args: Any
+    tokenizer: Any
+    """The tokenizer it was trained with (None: an HF folder without tokenizer.json)."""
+    section: Any
+    """The ``[model]`` section that describes it."""
+
+
+def job_config_of(step: Path, key: str) -> Path:
+    """The ``config.toml`` a run dumped, found above its checkpoint step folder."""
+    for folder in list(step.resolve().parents)[:4]:
+        if (folder / "config.toml").is_file():
+            return folder / "config.toml"
+    raise UserError(f"{key}: no config.toml found above {step} (a run writes it into its dump folder); name the job"
+                    " file with --job.config_file")
+
+
+def check_step_folder(path: Path, key: str) -> None:
+    """A DCP checkpoint of one step, not the folder of checkpoints above it; damage named."""
+    from trainer.checkpoint import complete_steps, find_damage
+    from trainer.errors import not_found
+
+    if not path.is_dir():
+        raise not_found(key, path, "folder not found")
+    if not (path / ".metadata").is_file():
+        steps = complete_steps(path)
+        hint = f"; it holds checkpoints, name one: {', '.join(f'{path}/step-{s}' for s in steps)}" if steps else ""
+        raise UserError(f"{key}: {path} is not a checkpoint step folder (it has no .metadata){hint}")
+    if damage := find_damage(path):
+        raise UserError(f"{key}: {path} is damaged: {damage}")
+
+
+def load_checkpoint(step: Path, overrides: list[str], *, key: str, seq_len: int | None = None, device="cpu",
+                    dtype=None) -> Loaded:
+    """The model of a DCP step folder, whole, in this process, with the job's tokenizer. ``overrides`` are
+    ``--section.key value`` arguments (``--job.config_file`` among them, else the run's config.toml)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.config import load_config
+    from trainer.data.tokenizer import build_tokenizer
+    from trainer.models import get_model_spec, import_model_modules, resolve_model_args
+    from trainer.models.init import materialize_
+    from trainer.plan import adopt_imported_model
+
+    check_step_folder(step, key)
+    given = any(a == "--job.config_file" or a.startswith("--job.config_file=") for a in overrides)
+    config_file = None if given else job_config_of(step, key)
+    config = load_config(config_file, overrides)
+    import_model_modules(config.model.modules)
+    spec = get_model_spec(config.model.name)
+    config = adopt_imported_model(config, spec)
+    args = spec.with_seq_len(resolve_model_args(spec, config.model), seq_len or config.training.seq_len)
+    model = spec.meta_model(args)
+    materialize_(model, torch.device(device), seed=0)
+    if dtype is not None:
+        model.to(dtype)
+    aliases = spec.tied_aliases(args)
+    state = {k: v for k, v in model.state_dict().items() if k not in aliases}  # tied: saved once, canonical name
+    saved = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    saved_model = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    if not saved_model:
+        raise UserError(f"{key}: {step} holds no model weights")
+    missing, extra = sorted(set(state) - saved_model), sorted(saved_model - set(state))
+    if missing or extra:
+        what = "; ".join(f"{label} {len(names)} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+                         for label, names in (("the checkpoint lacks", missing), ("the model lacks", extra)) if names)
+        raise UserError(f"{key}: {step} was not saved from the model {config_file or 'the job file'} describes"
+                        f" ({config.model.name} {config.model.flavor}): {what}; name the run's job file with"
+                        " --job.config_file")
+    try:
+        dcp.load({"model": state}, checkpoint_id=str(step))
+    except Exception as e:  # DCP wraps shape mismatches in CheckpointException
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{key}: cannot load {step} into {config.model.name} {config.model.flavor} ({first[:300]})") from None
+    return Loaded(model.eval(), spec, args, build_tokenizer(config.model, spec.vocab_size(args)), config.model)
+
+
+def best_flavor(config: dict, spec, folder: Path) -> tuple[str, dict, bool]:
+    """(flavor, overrides, tied) with the fewest overrides that describe config.json's model."""
+    from trainer.hf import hf_model_args
+
+    options = [(flavor, *hf_model_args(config, spec, flavor, folder)) for flavor in spec.flavors]
+    return min(options, key=lambda o: len(o[1]))
+
+
+def load_hf(folder: Path, *, key: str, seq_len: int, device="cpu", dtype=None) -> Loaded:
+    """The model of a Hugging Face folder, whole, in this process; its tokenizer.json when it has one."""
+    import torch
+
+    from trainer.config.schema import Model
+    from trainer.data.tokenizer import HFTokenizer
+    from trainer.hf import hf_family, is_hf_folder, load_hf_, read_hf_config
+    from trainer.models import resolve_model_args
+    from trainer.models.init import materialize_
+
+    if not is_hf_folder(folder):
+        raise UserError(f"{key}: {folder} is not a Hugging Face model folder (no *.safetensors)")
+    config = read_hf_config(folder, key)
+    spec = hf_family(config, folder, key)
+    flavor, overrides, tied = best_flavor(config, spec, folder)
+    section = Model(name=spec.name, flavor=flavor, overrides=overrides, tie_embeddings=tied)
+    args = spec.with_seq_len(resolve_model_args(spec, section), seq_len)
+    model = spec.meta_model(args)
+    materialize_(model, torch.device(device), seed=0)
+    load_hf_([model], spec, args, folder)
+    if dtype is not None:
+        model.to(dtype)
+    tokenizer = HFTokenizer(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
+    return Loaded(model.eval(), spec, args, tokenizer, section)
+
+
+def to_hf(step: Path, out: Path, overrides: list[str], dtype_name: str | None) -> str:
+    import torch
+
+    from trainer.dtypes import torch_dtype
+    from trainer.hf import export_hf
+
+    key = "to-hf CHECKPOINT_STEP_FOLDER"
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"to-hf OUT_FOLDER: {out} exists and is not empty; name a new folder")
+    loaded = load_checkpoint(step, overrides, key=key)
+    if loaded.spec.hf is None:
+        raise UserError(f"{key}: model family {loaded.spec.name} has no Hugging Face mapping (ModelSpec.hf)")
+    if why := loaded.spec.hf.unsupported(loaded.args):
+        raise UserError(f"{key}: the Hugging Face class of {loaded.spec.name} cannot hold this model: {why}")
+    if dtype_name not in (None, "float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype {dtype_name}: use float32, bfloat16 or float16")
+    dtype = torch_dtype(dtype_name) if dtype_name else torch.float32
+    export_hf([loaded.model], loaded.spec, loaded.args, out, dtype, pp_rank=0, pp=1, writer=True,
+              tokenizer=loaded.tokenizer)
+    return f"wrote {out}: {loaded.spec.name} weights in {str(dtype).removeprefix('torch.')}, config.json, tokenizer"
+
+
+def from_hf(folder: Path, out: Path) -> str:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint import merge_shares
+    from trainer.config.render import toml_value
+
+    from trainer.errors import not_found
+
+    key = "from-hf HF_FOLDER"
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"from-hf OUT_FOLDER: {out} exists and is not empty; name a new folder")
+    if not folder.is_dir():
+        raise not_found(key, folder, "folder not found")
+    loaded = load_hf(folder, key=key, seq_len=1)
+    section = loaded.section
+    flavor, overrides, tied = section.flavor, section.overrides, section.tie_embeddings
+    out.mkdir(parents=True, exist_ok=True)
+    seed = out / "checkpoint"
+    aliases = loaded.spec.tied_aliases(loaded.args)
+    state = {k: v.to(torch.float32) for k, v in loaded.model.state_dict().items() if k not in aliases}
+    dcp.save({"model": state}, checkpoint_id=str(seed))
+    merge_shares(seed)  # checksums.json, checked when a run loads it
+    lines = ["# Written by python -m trainer.convert from-hf: the model of", f"# {folder.resolve()}",
+             "# Extend it from your job file: extends = \"<this file>\"", "", "[model]",
+             f"name = {toml_value(loaded.spec.name)}", f"flavor = {toml_value(flavor)}",
+             f"tie_embeddings = {toml_value(tied)}"]
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_hf(out)
+        lines.append(f"tokenizer_path = {toml_value(str((out / 'tokenizer.json').resolve()))}")
+    if overrides:
+        lines += ["", "[model.overrides]", *(f"{k} = {toml_value(v)}" for k, v in overrides.items())]
+    lines += ["", "[checkpoint]", f"initial_load_path = {toml_value(str(seed.resolve()))}", ""]
+    (out / "model.toml").write_text("\n".join(lines))
+    tokenizer = "tokenizer.json, " if loaded.tokenizer is not None else "no tokenizer (the folder has no tokenizer.json), "
+    return f"wrote {out}: checkpoint (DCP), {tokenizer}model.toml ({loaded.spec.name} {flavor}, {len(overrides)} overrides)"
+
+
+def run(argv: list[str]) -> int:
+    from trainer.log import init_config_logging
+
+    init_config_logging()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    parser = argparse.ArgumentParser(prog="python -m trainer.convert", usage=USAGE, add_help=False, allow_abbrev=False)
+    parser.add_argument("direction", choices=["to-hf", "from-hf"])
+    parser.add_argument("source")
+    parser.add_argument("out")
+    parser.add_argument("--dtype", default=None)
+    known, rest = parse_cli(parser, argv, USAGE)
+    if known is None:
+        return 2
+    began = time.monotonic()
+    try:
+        if known.direction == "from-hf":
+            if rest or known.dtype:
+                raise UserError(f"from-hf takes HF_FOLDER OUT_FOLDER only (got {' '.join(rest) or '--dtype'})")
+            done = from_hf(Path(known.source), Path(known.out))
+        else:
+            done = to_hf(Path(known.source), Path(known.out), rest, known.dtype)
+    except UserError as e:
+        for line in error_lines(e):
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    print(f"{done} ({time.monotonic() - began:.1f} s)")
+    return 0
+
+
+def parse_cli(parser: argparse.ArgumentParser, argv: list[str], usage: str):
+    """(known arguments, the rest: config overrides) or (None, None) after printing one error line and the usage."""
+    class _Refuse(Exception):
+        pass
+
+    def error(message):
+        raise _Refuse(message)
+
+    parser.error = error
+    try:
+        return parser.parse_known_args(argv)
+    except _Refuse as e:
+        print(f"error: {e}\n{usage}", file=sys.stderr)
+        return None, None
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

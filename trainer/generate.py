@@ -1,0 +1,192 @@
+"""Sample text from a checkpoint or a Hugging Face folder, in one process (CPU or one GPU).
+
+    python -m trainer.generate MODEL --prompt "def fib(n):" [--max-new-tokens 64] [--temperature 0.8]
+                               [--top-k 50] [--top-p 0.95] [--seed 0] [--no-kv-cache] [--device cuda]
+                               [--logits OUT.pt] [--job.config_file JOB.toml] [--section.key value ...]
+
+MODEL is a DCP step folder this trainer wrote (the job config is the run's ``config.toml``
+unless ``--job.config_file`` names one) or a Hugging Face folder (config.json, safetensors and
+tokenizer.json). The prompt is encoded with the model's tokenizer after its begin-of-text token;
+``--prompt-file`` reads it from a file. Temperature 0 (the default) is greedy decoding. Keys
+and values of earlier positions are cached, so each new token costs the same whatever the
+prompt's length (``--no-kv-cache`` recomputes the whole sequence per token). Generation stops
+at the end-of-text token or after ``--max-new-tokens``. The completion goes to stdout, a line of
+timings to stderr. ``--logits OUT.pt`` saves the prompt's logits, (positions, vocabulary) in
+float32, to compare with another implementation, and generates nothing.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from trainer.errors import UserError, error_lines
+
+USAGE = ("usage: python -m trainer.generate MODEL (--prompt TEXT | --prompt-file FILE) [--max-new-tokens N]"
+         " [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-kv-cache] [--device DEVICE]"
+         " [--dtype DTYPE] [--logits OUT.pt] [--section.key value ...]")
+
+
+def sample_next(logits, *, temperature: float, top_k: int, top_p: float, generator):
+    """The next token id of each row of ``logits`` (batch, vocab): greedy at temperature 0, else sampled from
+    the softmax at that temperature over the ``top_k`` most likely tokens and the smallest set whose
+    probability reaches ``top_p``."""
+    import torch
+
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the ones before it already reach top_p (the most likely one always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def generate(model, prompt: list[int], *, max_new_tokens: int, eos_id: int | None, kv_cache: bool = True,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[int]:
+    """The ids ``model`` continues ``prompt`` with (without the prompt), up to EOS (included) or
+    ``max_new_tokens``. The model's rotary table must cover the prompt plus ``max_new_tokens``."""
+    import torch
+
+    from trainer.models.llama.model import Attention, KVCache
+
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tokens = torch.tensor([prompt], device=device)
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    if kv_cache:
+        dtype = next(model.parameters()).dtype
+        for m in attentions:
+            m.kv_cache = KVCache(1, len(prompt) + max_new_tokens, m.wk.out_features // m.head_dim, m.head_dim,
+                                 dtype=dtype, device=device)
+    out: list[int] = []
+    try:
+        with torch.inference_mode():
+            step_input = tokens
+            for _ in range(max_new_tokens):
+                logits = model(step_input)[:, -1]
+                token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+                out.append(int(token))
+                if eos_id is not None and out[-1] == eos_id:
+                    break
+                tokens = torch.cat([tokens, token[:, None]], dim=1)
+                step_input = token[:, None] if kv_cache else tokens
+    finally:
+        for m in attentions:
+            m.kv_cache = None
+    return out
+
+
+def load_model(source: Path, rest: list[str], *, seq_len: int, device: str, dtype):
+    """trainer.convert's Loaded for a DCP step folder or a Hugging Face folder."""
+    from trainer.convert import load_checkpoint, load_hf
+    from trainer.hf import is_hf_folder
+
+    key = "generate MODEL"
+    if is_hf_folder(source):
+        if rest:
+            raise UserError(f"{key}: {source} is a Hugging Face folder, which its config.json describes; drop"
+                            f" {' '.join(rest)}")
+        loaded = load_hf(source, key=key, seq_len=seq_len, device=device, dtype=dtype)
+        if loaded.tokenizer is None:
+            raise UserError(f"{key}: {source} has no tokenizer.json, so a prompt cannot be encoded")
+        return loaded
+    return load_checkpoint(source, rest, key=key, seq_len=seq_len, device=device, dtype=dtype)
+
+
+def run(argv: list[str]) -> int:
+    from trainer.log import init_config_logging
+
+    init_config_logging()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    parser = argparse.ArgumentParser(prog="python -m trainer.generate", usage=USAGE, add_help=False,
+                                     allow_abbrev=False)
+    parser.add_argument("model")
+    parser.add_argument("--prompt")
+    parser.add_argument("--prompt-file")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-kv-cache", action="store_true")
+    parser.add_argument("--device", default="")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--logits")
+    from trainer.convert import parse_cli
+
+    known, rest = parse_cli(parser, argv, USAGE)
+    if known is None:
+        return 2
+    try:
+        text = _prompt(known)
+        _check(known)
+        import torch
+
+        from trainer.dtypes import torch_dtype
+
+        device = known.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        began = time.monotonic()
+        # The rotary table covers the longest the prompt can be: a token holds at least one byte of text
+        # (the tokenizer comes with the model), plus begin-of-text.
+        longest = len(text.encode("utf-8")) + 2 + known.max_new_tokens
+        loaded = load_model(Path(known.model), rest, seq_len=longest, device=device, dtype=torch_dtype(known.dtype))
+        tok = loaded.tokenizer
+        prompt = tok.encode(text, bos=tok.bos_id is not None)
+        loaded_s = time.monotonic() - began
+        if known.logits:
+            with torch.inference_mode():
+                logits = loaded.model(torch.tensor([prompt], device=device))[0].float().cpu()
+            torch.save(logits, known.logits)
+            print(f"saved the logits of {len(prompt)} prompt tokens, shape {tuple(logits.shape)}, to {known.logits};"
+                  f" last position's top token {int(logits[-1].argmax())}", file=sys.stderr)
+            return 0
+        began = time.monotonic()
+        ids = generate(loaded.model, prompt, max_new_tokens=known.max_new_tokens, eos_id=tok.eos_id,
+                       kv_cache=not known.no_kv_cache, temperature=known.temperature, top_k=known.top_k,
+                       top_p=known.top_p, seed=known.seed)
+        seconds = time.monotonic() - began
+    except UserError as e:
+        for line in error_lines(e):
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    print(text + tok.decode([i for i in ids if i != tok.eos_id]))
+    stop = "end of text" if ids and ids[-1] == tok.eos_id else "max_new_tokens"
+    print(f"{len(ids)} tokens in {seconds:.2f} s ({len(ids) / max(seconds, 1e-9):.1f} tokens/s; prompt {len(prompt)}"
+          f" tokens; stopped at {stop}; KV cache {'off' if known.no_kv_cache else 'on'}; {device}; model loaded in"
+          f" {loaded_s:.1f} s)", file=sys.stderr)
+    return 0
+
+
+def _prompt(known) -> str:
+    if (known.prompt is None) == (known.prompt_file is None):
+        raise UserError("give the prompt with --prompt TEXT or --prompt-file FILE (one of them)")
+    if known.prompt is not None:
+        return known.prompt
+    try:
+        return Path(known.prompt_file).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--prompt-file {known.prompt_file}: cannot read it ({type(e).__name__}: {e})") from None
+
+
+def _check(known) -> None:
+    if known.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {known.max_new_tokens}: must be >= 1")
+    if not known.temperature >= 0:
+        raise UserError(f"--temperature {known.temperature}: must be >= 0 (0 = greedy)")
+    if known.top_k < 0:
+        raise UserError(f"--top-k {known.top_k}: must be >= 0 (0 = all tokens)")
+    if not 0 < known.top_p <= 1:
+        raise UserError(f"--top-p {known.top_p}: must be in (0, 1]")
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
