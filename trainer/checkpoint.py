@@ -301,10 +301,7 @@ class Checkpointer:
         """Save at every ``interval`` and at this run's ``last`` step. At the ``final`` step of
         training, ``last_save_model_only`` also writes the weights alone, and ``export_hf`` exports them."""
         if final and self.cfg.export_hf:
-            from trainer.hf import export_hf
-
-            export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}", torch_dtype(self.cfg.export_dtype),
-                      pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer, tokenizer=self.tokenizer_files)
+            self.export_hf(step)
         if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
             return
         self.wait()  # at most one save in flight: the next waits for the previous
@@ -314,6 +311,19 @@ class Checkpointer:
             dtype = torch_dtype(self.cfg.export_dtype)
             self._save({"model": {k: v.to(dtype) for k, v in self._model_state().items()}}, f"model-step-{step}",
                        background=False)
+
+    def export_hf(self, step: int) -> None:
+        """Write the Hugging Face export of this step (every rank calls it: it gathers sharded weights)."""
+        from trainer.hf import export_hf
+
+        export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}", torch_dtype(self.cfg.export_dtype),
+                  pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer, tokenizer=self.tokenizer_files)
+
+    def export_finished(self, step: int) -> None:
+        """A finished run started again with ``export_hf`` and no export of its last step yet: export it now."""
+        if self.cfg.export_hf and not (self.folder / f"hf-step-{step}").is_dir():
+            logger.info("the run finished at step %d before; exporting its weights ([checkpoint] export_hf)", step)
+            self.export_hf(step)
 
     def _save(self, state: dict, name: str, *, background: bool) -> None:
         tmp, final = self.folder / f"{name}.tmp", self.folder / name

@@ -48,6 +48,12 @@ class Loaded:
     """The ``[model]`` section that describes it."""
 
 
+def check_new_folder(out: Path, key: str) -> None:
+    """The output goes into a new or empty folder: nothing of the user's is overwritten."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{key}: {out} exists and is not an empty folder; name a new folder")
+
+
 def job_config_of(step: Path, key: str) -> Path:
     """The ``config.toml`` a run dumped, found above its checkpoint step folder."""
     for folder in list(step.resolve().parents)[:4]:
@@ -145,7 +151,7 @@ def load_hf(folder: Path, *, key: str, seq_len: int, device="cpu", dtype=None) -
     args = spec.with_seq_len(resolve_model_args(spec, section), seq_len)
     model = spec.meta_model(args)
     materialize_(model, torch.device(device), seed=0)
-    load_hf_([model], spec, args, folder)
+    load_hf_([model], spec, args, folder, key=key)
     if dtype is not None:
         model.to(dtype)
     tokenizer = HFTokenizer(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
@@ -159,8 +165,7 @@ def to_hf(step: Path, out: Path, overrides: list[str], dtype_name: str | None) -
     from trainer.hf import export_hf
 
     key = "to-hf CHECKPOINT_STEP_FOLDER"
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"to-hf OUT_FOLDER: {out} exists and is not empty; name a new folder")
+    check_new_folder(out, "to-hf OUT_FOLDER")
     loaded = load_checkpoint(step, overrides, key=key)
     if loaded.spec.hf is None:
         raise UserError(f"{key}: model family {loaded.spec.name} has no Hugging Face mapping (ModelSpec.hf)")
@@ -184,8 +189,7 @@ def from_hf(folder: Path, out: Path) -> str:
     from trainer.errors import not_found
 
     key = "from-hf HF_FOLDER"
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"from-hf OUT_FOLDER: {out} exists and is not empty; name a new folder")
+    check_new_folder(out, "from-hf OUT_FOLDER")
     if not folder.is_dir():
         raise not_found(key, folder, "folder not found")
     loaded = load_hf(folder, key=key, seq_len=1)

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.errors import UserError, error_lines
+from trainer.errors import UserError, error_lines, one_line
 
 USAGE = ("usage: python -m trainer.generate MODEL (--prompt TEXT | --prompt-file FILE) [--max-new-tokens N]"
          " [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-kv-cache] [--device DEVICE]"
@@ -134,6 +134,10 @@ def run(argv: list[str]) -> int:
         from trainer.dtypes import torch_dtype
 
         device = known.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:  # an unknown device name, or CUDA not available
+            raise UserError(f"--device {device}: not usable here ({one_line(e)[:200]})") from None
         began = time.monotonic()
         # The rotary table covers the longest the prompt can be: a token holds at least one byte of text
         # (the tokenizer comes with the model), plus begin-of-text.

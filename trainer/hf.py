@@ -154,18 +154,18 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _read_safetensors(path: Path, what, why: str = ""):
+def _read_safetensors(path: Path, what, why: str = "", key: str = _KEY):
     """``what(f)`` of the safetensors file at ``path``; a missing or damaged file is one UserError naming it."""
     try:
         with safe_open(str(path), framework="pt") as f:
             return what(f)
     except FileNotFoundError:
-        raise UserError(f"{_KEY}: {path} is missing{why}") from None
+        raise UserError(f"{key}: {path} is missing{why}") from None
     except Exception as e:  # safetensors raises SafetensorError (truncated header, bad offsets, ...)
-        raise UserError(f"{_KEY}: {path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+        raise UserError(f"{key}: {path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
 
 
-def _weight_map(folder: Path) -> dict[str, str]:
+def _weight_map(folder: Path, key: str = _KEY) -> dict[str, str]:
     """Tensor name -> file, from the index when there is one, else from the files' own headers."""
     index = folder / INDEX
     if index.is_file():
@@ -174,36 +174,35 @@ def _weight_map(folder: Path) -> dict[str, str]:
             if not isinstance(weight_map, dict):
                 raise TypeError("weight_map is not a table")
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{_KEY}: {index} is not a safetensors index ({type(e).__name__}: {e})") from None
+            raise UserError(f"{key}: {index} is not a safetensors index ({type(e).__name__}: {e})") from None
         return weight_map
     weight_map = {}
     for file in sorted(folder.glob("*.safetensors")):
-        weight_map.update({k: file.name for k in _read_safetensors(file, lambda f: list(f.keys()))})
+        weight_map.update({k: file.name for k in _read_safetensors(file, lambda f: list(f.keys()), key=key)})
     return weight_map
 
 
 @torch.no_grad()
-def load_hf_(chunks, spec: ModelSpec, args, folder: Path) -> None:
-    """Fill the chunks' parameters from a Hugging Face safetensors folder (any layout, any split)."""
+def load_hf_(chunks, spec: ModelSpec, args, folder: Path, key: str = _KEY) -> None:
+    """Fill the chunks' parameters from a Hugging Face safetensors folder (any layout, any split); ``key``
+    names the setting or argument that named the folder in errors."""
     hf = _adapter(spec)
-    weight_map = _weight_map(folder)
+    weight_map = _weight_map(folder, key)
     aliases = spec.tied_weights if getattr(args, "tie_embeddings", False) else {}
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             source = aliases.get(name, name)
             keys = hf.names(source, args)
             parts = []
-            for key in keys:
-                if key not in weight_map:
-                    raise UserError(f"[checkpoint] initial_load_path: {folder} has no tensor {key!r} (for {name})")
-                parts.append(_read_safetensors(folder / weight_map[key], lambda f, key=key: f.get_tensor(key),
-                                               f" (named by {INDEX} for {key!r})"))
+            for tensor in keys:
+                if tensor not in weight_map:
+                    raise UserError(f"{key}: {folder} has no tensor {tensor!r} (for {name})")
+                parts.append(_read_safetensors(folder / weight_map[tensor], lambda f, t=tensor: f.get_tensor(t),
+                                               f" (named by {INDEX} for {tensor!r})", key))
             full = torch.stack(parts) if len(keys) > 1 else parts[0]
-            key = keys[0] if len(keys) == 1 else f"{keys[0]} ... ({len(keys)} stacked)"
+            shown = keys[0] if len(keys) == 1 else f"{keys[0]} ... ({len(keys)} stacked)"
             if tuple(full.shape) != tuple(param.shape):
-                raise UserError(
-                    f"[checkpoint] initial_load_path: {key} in {folder} has shape {tuple(full.shape)}, the model"
-                    f" expects {tuple(param.shape)}"
-                )
+                raise UserError(f"{key}: {shown} in {folder} has shape {tuple(full.shape)}, the model expects"
+                                f" {tuple(param.shape)}")
             copy_full_(param, hf.from_hf(source, full.float(), args))
     logger.info("weights loaded from Hugging Face folder %s", folder)

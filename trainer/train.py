@@ -323,6 +323,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
     gc.disable()  # collected every gc_freq steps instead, so pauses happen at known points
     try:
         last_step = min(config.training.steps, config.training.stop_at_step or config.training.steps)
+        if start_step == config.training.steps:
+            run.checkpointer.export_finished(start_step)
         for step in range(start_step + 1, last_step + 1):
             if step % config.training.gc_freq == 0:
                 gc.collect(1)

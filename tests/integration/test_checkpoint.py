@@ -140,6 +140,17 @@ def test_retention_and_model_only_final_export(tmp_path):
     for step in (4, 5):  # the final step is a full, resumable checkpoint too
         full = FileSystemReader(str(folder / f"step-{step}")).read_metadata().state_dict_metadata
         assert {k.split(".")[0] for k in full} == {"model", "optimizer", "dataloader", "train_state", "rng"}
+    # The weights-only save converts to Hugging Face like the full one: its bf16 weights are the full one's, rounded.
+    from safetensors.torch import load_file
+
+    from trainer.convert import run as convert
+
+    assert convert(["to-hf", str(folder / "model-step-5"), str(tmp_path / "hf-weights")]) == 0
+    assert convert(["to-hf", str(folder / "step-5"), str(tmp_path / "hf-full"), "--dtype", "bfloat16"]) == 0
+    weights_only = load_file(tmp_path / "hf-weights" / "model-00001-of-00001.safetensors")
+    full = load_file(tmp_path / "hf-full" / "model-00001-of-00001.safetensors")
+    assert weights_only.keys() == full.keys()
+    assert all(torch.equal(weights_only[k], full[k].float()) for k in full)
 
 
 def test_continuing_a_finished_run_resumes_its_full_state(tmp_path):
@@ -148,8 +159,11 @@ def test_continuing_a_finished_run_resumes_its_full_state(tmp_path):
     straight = train(args + ["--training.steps", "6"], tmp_path / "straight")
     finished = train(args + ["--training.steps", "4"], tmp_path / "run")  # final save with last_save_model_only
     assert finished.losses == straight.losses[:4]
-    again = train(args + ["--training.steps", "4"], tmp_path / "run")  # re-running a finished job trains nothing
+    # re-running a finished job trains nothing; with export_hf it exports the final weights (issue 28)
+    again = train(args + ["--training.steps", "4", "--checkpoint.export_hf"], tmp_path / "run")
     assert again.losses == []
+    assert {p.name for p in (tmp_path / "run" / "checkpoint" / "hf-step-4").iterdir()} >= {
+        "config.json", "model.safetensors.index.json", "tokenizer.json", "generation_config.json"}
     more = train(args + ["--training.steps", "6"], tmp_path / "run")  # raising steps continues from step 5
     assert more.losses == straight.losses[4:] and more.lrs == straight.lrs[4:]
 

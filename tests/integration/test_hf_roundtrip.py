@@ -3,6 +3,7 @@
 import json
 import logging
 import re
+import shutil
 
 import pytest
 import torch
@@ -165,12 +166,24 @@ def test_an_imported_config_json_is_adopted_and_a_conflicting_override_said(tmp_
 
 def test_converter_and_generator_errors_are_one_line(tmp_path, capsys):
     hf_folder(tmp_path / "hf", "llama3")
+    shutil.copytree(tmp_path / "hf", tmp_path / "no-weights")  # ... but one tensor short
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "no-weights" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k != "model.layers.1.mlp.down_proj.weight"}, weights)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     cases = [
         (convert.run, ["to-hf", str(tmp_path / "nowhere"), str(tmp_path / "o")], r"folder not found"),
         (convert.run, ["to-hf", str(tmp_path / "hf"), str(tmp_path / "o")], r"is not a checkpoint step folder"),
-        (convert.run, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "full")], r"exists and is not empty"),
+        (convert.run, ["from-hf", str(tmp_path / "hf"), str(tmp_path / "full")], r"exists and is not an empty folder"),
+        (convert.run, ["to-hf", str(tmp_path / "hf"), str(tmp_path / "full" / "x")], r"x exists and is not an empty"),
+        (convert.run, ["from-hf", str(tmp_path / "no-weights"), str(tmp_path / "o")],
+         r"from-hf HF_FOLDER: .*no-weights has no tensor 'model.layers.1.mlp.down_proj.weight'"),
+        (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--device", "cuda:7"], r"--device cuda:7: not usable here"),
+        (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--max-new-tokens", "many"], r"invalid int value: 'many'"),
+        (gen.run, [str(tmp_path / "hf"), "--prompt-file", str(tmp_path / "none.txt")], r"--prompt-file .*none.txt:"
+                                                                                       r" cannot read it"),
         (convert.run, ["from-hf", str(tmp_path / "full"), str(tmp_path / "o")], r"is not a Hugging Face model folder"),
         (convert.run, ["sideways", "a", "b"], r"invalid choice: 'sideways'"),
         (gen.run, [str(tmp_path / "hf")], r"give the prompt with --prompt TEXT or --prompt-file FILE"),
