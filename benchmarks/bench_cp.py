@@ -83,7 +83,8 @@ def main() -> None:
         for cp in args.cp:
             overrides = ["--model.flavor", args.flavor, "--training.seq_len", str(args.seq_len),
                          "--training.local_batch_size", "1", "--training.steps", str(args.steps),
-                         "--lr_scheduler.warmup_steps", "1", "--parallelism.context_parallel_degree", str(cp)]
+                         "--lr_scheduler.warmup_steps", "1", "--model.attn_mask_type", "causal",
+                         "--parallelism.context_parallel_degree", str(cp)]
             saved = saved_bytes(cp, overrides, Path(tmp))
             ranks = launch_job(cp, overrides, Path(tmp), f"cp{cp}")
             step = statistics.median(ranks[0]["step_times"][args.warmup:])

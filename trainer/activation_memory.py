@@ -35,7 +35,7 @@ def activation_peaks(plan, device_type: str) -> list[float] | str:
     pipeline = plan.pipeline
     if pipeline is None:
         tokens = plan.config.training.local_batch_size * plan.config.training.seq_len
-        return [tokens * (sum(per_part.kept) + max(per_part.recompute))]
+        return [tokens * (sum(per_part.kept) + per_part.stage + max(per_part.recompute))]
     if pipeline.schedule == "csv":
         return "not modelled for CSV schedules"
     ops = schedule_ops(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank)
@@ -50,6 +50,8 @@ class PartActivations:
 
     kept: tuple[float, ...]
     recompute: tuple[float, ...]
+    stage: float = 0.0
+    """What every pipeline stage keeps once per microbatch besides its parts (the document mask)."""
 
 
 def part_activations(config, spec, args, dims, dtype_bytes: int) -> PartActivations | str:
@@ -72,7 +74,10 @@ def part_activations(config, spec, args, dims, dtype_bytes: int) -> PartActivati
     checkpointed = [_checkpointed(i, ac.mode, ac.selective_ac_option) for i in range(len(blocks))]
     kept = [per_token.block_input if c else a for a, c in zip(blocks, checkpointed, strict=True)]
     recompute = [a - per_token.block_input if c else 0.0 for a, c in zip(blocks, checkpointed, strict=True)]
-    return PartActivations((per_token.pre, *kept, per_token.post), (0.0, *recompute, 0.0))
+    # Block-causal attention: each stage builds one additive mask (seq_len values per token, in the compute
+    # dtype) and the per-token rotary table, shared by its blocks (kept in full where a window holds a boundary).
+    stage = config.training.seq_len * dtype_bytes + per_token.documents if config.model.attn_mask_type == "block_causal" else 0.0
+    return PartActivations((per_token.pre, *kept, per_token.post), (0.0, *recompute, 0.0), stage)
 
 
 def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], ops: list[list],
@@ -83,7 +88,7 @@ def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], o
     stage_bytes, stage_recompute, start = [], [], 1
     for s, c in enumerate(counts):
         parts = list(range(start, start + c)) + ([0] if s == 0 else []) + ([len(per_part.kept) - 1] if s == last else [])
-        stage_bytes.append(tokens * sum(per_part.kept[i] for i in parts))
+        stage_bytes.append(tokens * (sum(per_part.kept[i] for i in parts) + per_part.stage))
         stage_recompute.append(tokens * max(per_part.recompute[i] for i in parts))
         start += c
     peaks = []

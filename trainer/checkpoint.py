@@ -185,7 +185,7 @@ def _tensor_groups(keys: list[str], shown: int = 6) -> str:
     return ", ".join(groups[:shown]) + (f", ... ({len(groups) - shown} more)" if len(groups) > shown else "")
 
 
-def _dcp_errors() -> tuple[type[BaseException], ...]:
+def dcp_errors() -> tuple[type[BaseException], ...]:
     """What a DCP save or load raises on failure: its CheckpointException (a BaseException, gathered from every
     rank) or an ordinary exception."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -193,7 +193,7 @@ def _dcp_errors() -> tuple[type[BaseException], ...]:
     return Exception, CheckpointException
 
 
-def _first_failure(error: BaseException) -> BaseException:
+def first_failure(error: BaseException) -> BaseException:
     """The first rank's exception inside DCP's CheckpointException (rank -> (exception, traceback)), else ``error``."""
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -321,7 +321,7 @@ class Checkpointer:
 
     def export_finished(self, step: int) -> None:
         """A finished run started again with ``export_hf`` and no export of its last step yet: export it now."""
-        if self.cfg.export_hf and not (self.folder / f"hf-step-{step}").is_dir():
+        if self.cfg.export_hf and not (self.folder / f"hf-step-{step}" / "config.json").is_file():
             logger.info("the run finished at step %d before; exporting its weights ([checkpoint] export_hf)", step)
             self.export_hf(step)
 
@@ -347,7 +347,7 @@ class Checkpointer:
         if background:
             try:
                 saving = _dcp().async_save(state, checkpoint_id=str(tmp))
-            except _dcp_errors() as e:
+            except dcp_errors() as e:
                 raise self._save_failed(name, e) from None
             if self._background is None:
                 self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
@@ -355,7 +355,7 @@ class Checkpointer:
         else:
             try:
                 _dcp().save(state, checkpoint_id=str(tmp))
-            except _dcp_errors() as e:
+            except dcp_errors() as e:
                 raise self._save_failed(name, e) from None
             _barrier()  # every rank's files are on disk before any rank lists the folder
             if self.cfg.verify:
@@ -376,7 +376,7 @@ class Checkpointer:
             self.pending = None
             try:
                 future.result()
-            except _dcp_errors() as e:
+            except dcp_errors() as e:
                 raise self._save_failed(name, e) from None
             self._publish(name)
 
@@ -385,7 +385,7 @@ class Checkpointer:
         checkpoints before it are untouched, and the error names the folder and the cause."""
         if _rank() == 0:
             shutil.rmtree(self.folder / f"{name}.tmp", ignore_errors=True)
-        error = _first_failure(error)
+        error = first_failure(error)
         cause = (error.strerror + (f" ({error.filename})" if error.filename else "")
                  if isinstance(error, OSError) and error.strerror
                  else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
@@ -556,8 +556,8 @@ class Checkpointer:
         dcp = _dcp()
         try:
             dcp.load(state, checkpoint_id=str(path), planner=dcp.DefaultLoadPlanner(allow_partial_load=False))
-        except _dcp_errors() as e:
-            cause = _first_failure(e)
+        except dcp_errors() as e:
+            cause = first_failure(e)
             first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
             raise UserError(
                 f"[checkpoint] cannot load {path} into this model ({first[:300]}); was it saved from another"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import UserError, error_lines
+from trainer.errors import ConfigError, UserError, error_lines
 
 logger = logging.getLogger("trainer.convert")
 USAGE = ("usage: python -m trainer.convert to-hf CHECKPOINT_STEP_FOLDER OUT_FOLDER [--job.config_file FILE]"
@@ -46,6 +46,8 @@ class Loaded:
     """The tokenizer it was trained with (None: an HF folder without tokenizer.json)."""
     section: Any
     """The ``[model]`` section that describes it."""
+    stop_ids: tuple[int, ...] = ()
+    """End-of-generation ids besides the tokenizer's end-of-text (a folder's generation_config.json)."""
 
 
 def check_new_folder(out: Path, key: str) -> None:
@@ -101,8 +103,6 @@ def load_checkpoint(step: Path, overrides: list[str], *, key: str, seq_len: int 
     args = spec.with_seq_len(resolve_model_args(spec, config.model), seq_len or config.training.seq_len)
     model = spec.meta_model(args)
     materialize_(model, torch.device(device), seed=0)
-    if dtype is not None:
-        model.to(dtype)
     aliases = spec.tied_aliases(args)
     state = {k: v for k, v in model.state_dict().items() if k not in aliases}  # tied: saved once, canonical name
     saved = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
@@ -116,19 +116,35 @@ def load_checkpoint(step: Path, overrides: list[str], *, key: str, seq_len: int 
         raise UserError(f"{key}: {step} was not saved from the model {config_file or 'the job file'} describes"
                         f" ({config.model.name} {config.model.flavor}): {what}; name the run's job file with"
                         " --job.config_file")
+    from trainer.checkpoint import dcp_errors, first_failure
+
     try:
         dcp.load({"model": state}, checkpoint_id=str(step))
-    except Exception as e:  # DCP wraps shape mismatches in CheckpointException
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{key}: cannot load {step} into {config.model.name} {config.model.flavor} ({first[:300]})") from None
+    except dcp_errors() as e:  # DCP wraps shape mismatches in CheckpointException (a BaseException)
+        cause = first_failure(e)
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise UserError(f"{key}: cannot load {step} into {config.model.name} {config.model.flavor} ({first[:300]});"
+                        " was it saved from another model shape?") from None
+    cast_parameters_(model, dtype)
     return Loaded(model.eval(), spec, args, build_tokenizer(config.model, spec.vocab_size(args)), config.model)
 
 
-def best_flavor(config: dict, spec, folder: Path) -> tuple[str, dict, bool]:
+def cast_parameters_(model, dtype) -> None:
+    """Parameters to ``dtype`` (None: as they are); buffers keep theirs (the rotary table stays float32)."""
+    if dtype is None:
+        return
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():  # a tied weight is one Parameter: cast once
+            param.data = param.data.to(dtype)
+
+
+def best_flavor(config: dict, spec, folder: Path, key: str) -> tuple[str, dict, bool]:
     """(flavor, overrides, tied) with the fewest overrides that describe config.json's model."""
     from trainer.hf import hf_model_args
 
-    options = [(flavor, *hf_model_args(config, spec, flavor, folder)) for flavor in spec.flavors]
+    options = [(flavor, *hf_model_args(config, spec, flavor, folder, key)) for flavor in spec.flavors]
     return min(options, key=lambda o: len(o[1]))
 
 
@@ -146,16 +162,33 @@ def load_hf(folder: Path, *, key: str, seq_len: int, device="cpu", dtype=None) -
         raise UserError(f"{key}: {folder} is not a Hugging Face model folder (no *.safetensors)")
     config = read_hf_config(folder, key)
     spec = hf_family(config, folder, key)
-    flavor, overrides, tied = best_flavor(config, spec, folder)
+    flavor, overrides, tied = best_flavor(config, spec, folder, key)  # tie_embeddings among overrides if it differs
     section = Model(name=spec.name, flavor=flavor, overrides=overrides, tie_embeddings=tied)
-    args = spec.with_seq_len(resolve_model_args(spec, section), seq_len)
+    try:
+        args = spec.with_seq_len(resolve_model_args(spec, section), seq_len)
+    except ConfigError as e:  # config.json values the family cannot build (a vocab_size of null, ...)
+        raise UserError(f"{key}: {folder}/config.json describes a model {spec.name} cannot build: {e}") from None
     model = spec.meta_model(args)
     materialize_(model, torch.device(device), seed=0)
     load_hf_([model], spec, args, folder, key=key)
-    if dtype is not None:
-        model.to(dtype)
+    cast_parameters_(model, dtype)
     tokenizer = HFTokenizer(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
-    return Loaded(model.eval(), spec, args, tokenizer, section)
+    return Loaded(model.eval(), spec, args, tokenizer, section, _stop_ids(folder, key))
+
+
+def _stop_ids(folder: Path, key: str) -> tuple[int, ...]:
+    """``eos_token_id`` of a Hugging Face folder's generation_config.json (an id or a list), if any."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id")
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if not all(isinstance(i, int) for i in ids):
+            raise TypeError(f"eos_token_id {ids!r} is not a list of ids")
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise UserError(f"{key}: {path} is not a generation config ({type(e).__name__}: {e})") from None
+    return tuple(ids)
 
 
 def to_hf(step: Path, out: Path, overrides: list[str], dtype_name: str | None) -> str:
@@ -166,13 +199,13 @@ def to_hf(step: Path, out: Path, overrides: list[str], dtype_name: str | None) -
 
     key = "to-hf CHECKPOINT_STEP_FOLDER"
     check_new_folder(out, "to-hf OUT_FOLDER")
+    if dtype_name not in (None, "float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype {dtype_name}: use float32, bfloat16 or float16")
     loaded = load_checkpoint(step, overrides, key=key)
     if loaded.spec.hf is None:
         raise UserError(f"{key}: model family {loaded.spec.name} has no Hugging Face mapping (ModelSpec.hf)")
     if why := loaded.spec.hf.unsupported(loaded.args):
         raise UserError(f"{key}: the Hugging Face class of {loaded.spec.name} cannot hold this model: {why}")
-    if dtype_name not in (None, "float32", "bfloat16", "float16"):
-        raise UserError(f"--dtype {dtype_name}: use float32, bfloat16 or float16")
     dtype = torch_dtype(dtype_name) if dtype_name else torch.float32
     export_hf([loaded.model], loaded.spec, loaded.args, out, dtype, pp_rank=0, pp=1, writer=True,
               tokenizer=loaded.tokenizer)

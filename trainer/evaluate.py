@@ -46,7 +46,9 @@ class Evaluator:
 
     @torch.no_grad()
     def run(self, parts: ModelParts, meshes: Meshes, device: torch.device, *, autocast, step_context,
-            progress: Callable[[], None] = lambda: None) -> Evaluation:
+            progress: Callable[[], None] = lambda: None,
+            model_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {}) -> Evaluation:
+        """``model_kwargs(inputs)``: the model's keyword inputs of a microbatch (its documents), as in training."""
         start = time.perf_counter()
         self.loader.load_state_dict({"windows": 0})
         total = torch.zeros((), device=device)
@@ -58,13 +60,14 @@ class Evaluator:
                 if parts.cp is not None:
                     microbatches = [(parts.cp.shard(x), parts.cp.shard(y)) for x, y in microbatches]
                 for inputs, labels in microbatches:
+                    kwargs = model_kwargs(inputs)
                     with step_context():
                         if parts.schedule is None:
                             with autocast():
-                                losses = [summed_loss(parts.chunks[0](inputs), labels)]
+                                losses = [summed_loss(parts.chunks[0](inputs, **kwargs), labels)]
                         else:
                             with autocast():
-                                losses = pipeline_forward(parts, meshes, inputs, labels)
+                                losses = pipeline_forward(parts, meshes, inputs, labels, kwargs)
                     for loss in losses:
                         total += full_tensor(loss).float()
                     progress()
@@ -78,14 +81,17 @@ class Evaluator:
         return Evaluation((total / tokens).item(), int(tokens.item()), time.perf_counter() - start)
 
 
-def pipeline_forward(parts: ModelParts, meshes: Meshes, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
-    """Forward ``inputs`` through every pipeline stage in order; returns the summed loss on the rank
-    holding the last stage (an empty list elsewhere). Activations cross ranks as a header
-    (dtype code, ndim, shape) followed by the tensor, so stages may return any shape."""
+def pipeline_forward(parts: ModelParts, meshes: Meshes, inputs: torch.Tensor, labels: torch.Tensor,
+                     kwargs: dict | None = None) -> list[torch.Tensor]:
+    """Forward ``inputs`` through every pipeline stage in order (each stage also gets ``kwargs``); returns
+    the summed loss on the rank holding the last stage (an empty list elsewhere). Activations cross ranks
+    as a header (dtype code, ndim, shape) followed by the tensor, so stages may return any shape."""
+    kwargs = kwargs or {}
     if parts.stage_batch is not None and inputs.shape[0] != parts.stage_batch:
         # Traced stages are specialised to one microbatch's shape: evaluate microbatch by microbatch.
-        pairs = zip(inputs.split(parts.stage_batch), labels.split(parts.stage_batch), strict=True)
-        return [loss for x, y in pairs for loss in pipeline_forward(parts, meshes, x, y)]
+        pieces = zip(inputs.split(parts.stage_batch), labels.split(parts.stage_batch), strict=True)
+        return [loss for i, (x, y) in enumerate(pieces) for loss in pipeline_forward(
+            parts, meshes, x, y, {k: v.split(parts.stage_batch)[i] for k, v in kwargs.items()})]
     plan = parts.plan
     pp_ranks = meshes.pp.mesh.tolist()  # global rank of each pipeline rank in this rank's pp group
     group = meshes.pp.get_group()
@@ -98,7 +104,7 @@ def pipeline_forward(parts: ModelParts, meshes: Meshes, inputs: torch.Tensor, la
             continue
         if s > 0 and owner[s - 1] != me:
             hidden = _recv(pp_ranks[owner[s - 1]], group, inputs.device)
-        hidden = mine[s](hidden)
+        hidden = mine[s](hidden, **kwargs)
         if s == plan.num_stages - 1:
             losses.append(summed_loss(hidden, labels))
         elif owner[s + 1] != me:

@@ -49,9 +49,10 @@ def sample_next(logits, *, temperature: float, top_k: int, top_p: float, generat
 
 
 def generate(model, prompt: list[int], *, max_new_tokens: int, eos_id: int | None, kv_cache: bool = True,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[int]:
-    """The ids ``model`` continues ``prompt`` with (without the prompt), up to EOS (included) or
-    ``max_new_tokens``. The model's rotary table must cover the prompt plus ``max_new_tokens``."""
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_ids: tuple[int, ...] = ()) -> list[int]:
+    """The ids ``model`` continues ``prompt`` with (without the prompt), up to EOS or one of ``stop_ids``
+    (included) or ``max_new_tokens``. The model's rotary table must cover the prompt plus ``max_new_tokens``."""
     import torch
 
     from trainer.models.llama.model import Attention, KVCache
@@ -66,6 +67,7 @@ def generate(model, prompt: list[int], *, max_new_tokens: int, eos_id: int | Non
             m.kv_cache = KVCache(1, len(prompt) + max_new_tokens, m.wk.out_features // m.head_dim, m.head_dim,
                                  dtype=dtype, device=device)
     out: list[int] = []
+    stops = set(stop_ids) | ({eos_id} if eos_id is not None else set())
     try:
         with torch.inference_mode():
             step_input = tokens
@@ -73,7 +75,7 @@ def generate(model, prompt: list[int], *, max_new_tokens: int, eos_id: int | Non
                 logits = model(step_input)[:, -1]
                 token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
                 out.append(int(token))
-                if eos_id is not None and out[-1] == eos_id:
+                if out[-1] in stops:
                     break
                 tokens = torch.cat([tokens, token[:, None]], dim=1)
                 step_input = token[:, None] if kv_cache else tokens
@@ -145,25 +147,37 @@ def run(argv: list[str]) -> int:
         loaded = load_model(Path(known.model), rest, seq_len=longest, device=device, dtype=torch_dtype(known.dtype))
         tok = loaded.tokenizer
         prompt = tok.encode(text, bos=tok.bos_id is not None)
+        if not prompt:
+            raise UserError("--prompt: the prompt encodes to no tokens (and the tokenizer has no begin-of-text token)")
         loaded_s = time.monotonic() - began
         if known.logits:
             with torch.inference_mode():
                 logits = loaded.model(torch.tensor([prompt], device=device))[0].float().cpu()
-            torch.save(logits, known.logits)
+            try:
+                torch.save(logits, known.logits)
+            except (OSError, RuntimeError) as e:  # a missing folder, a folder named as the file
+                raise UserError(f"--logits {known.logits}: cannot write it ({one_line(e)[:200]})") from None
             print(f"saved the logits of {len(prompt)} prompt tokens, shape {tuple(logits.shape)}, to {known.logits};"
                   f" last position's top token {int(logits[-1].argmax())}", file=sys.stderr)
             return 0
         began = time.monotonic()
-        ids = generate(loaded.model, prompt, max_new_tokens=known.max_new_tokens, eos_id=tok.eos_id,
-                       kv_cache=not known.no_kv_cache, temperature=known.temperature, top_k=known.top_k,
-                       top_p=known.top_p, seed=known.seed)
+        try:
+            ids = generate(loaded.model, prompt, max_new_tokens=known.max_new_tokens, eos_id=tok.eos_id,
+                           kv_cache=not known.no_kv_cache, temperature=known.temperature, top_k=known.top_k,
+                           top_p=known.top_p, seed=known.seed, stop_ids=loaded.stop_ids)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
+                raise
+            raise UserError(f"--max-new-tokens {known.max_new_tokens}: not enough memory on {device} for the prompt"
+                            f" and the new tokens' cache ({one_line(e)[:160]})") from None
         seconds = time.monotonic() - began
     except UserError as e:
         for line in error_lines(e):
             print(f"error: {line}", file=sys.stderr)
         return 2
-    print(text + tok.decode([i for i in ids if i != tok.eos_id]))
-    stop = "end of text" if ids and ids[-1] == tok.eos_id else "max_new_tokens"
+    stopped = bool(ids) and (ids[-1] == tok.eos_id or ids[-1] in loaded.stop_ids)
+    print(text + tok.decode(ids[:-1] if stopped else ids))
+    stop = "end of text" if stopped else "max_new_tokens"
     print(f"{len(ids)} tokens in {seconds:.2f} s ({len(ids) / max(seconds, 1e-9):.1f} tokens/s; prompt {len(prompt)}"
           f" tokens; stopped at {stop}; KV cache {'off' if known.no_kv_cache else 'on'}; {device}; model loaded in"
           f" {loaded_s:.1f} s)", file=sys.stderr)
@@ -181,11 +195,18 @@ def _prompt(known) -> str:
         raise UserError(f"--prompt-file {known.prompt_file}: cannot read it ({type(e).__name__}: {e})") from None
 
 
+MAX_NEW_TOKENS = 2**20
+
+
 def _check(known) -> None:
-    if known.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {known.max_new_tokens}: must be >= 1")
-    if not known.temperature >= 0:
-        raise UserError(f"--temperature {known.temperature}: must be >= 0 (0 = greedy)")
+    if not 1 <= known.max_new_tokens <= MAX_NEW_TOKENS:
+        raise UserError(f"--max-new-tokens {known.max_new_tokens}: must be in 1 .. {MAX_NEW_TOKENS}")
+    if not (known.temperature == 0 or 0.01 <= known.temperature <= 100):
+        raise UserError(f"--temperature {known.temperature}: must be 0 (greedy) or in 0.01 .. 100")
+    if not 0 <= known.seed < 2**63:
+        raise UserError(f"--seed {known.seed}: must be in 0 .. 2**63 - 1")
+    if known.device and known.device.split(":")[0] not in ("cpu", "cuda", "xpu", "mps"):
+        raise UserError(f"--device {known.device}: use cpu, cuda, cuda:N (or xpu, mps)")
     if known.top_k < 0:
         raise UserError(f"--top-k {known.top_k}: must be >= 0 (0 = all tokens)")
     if not 0 < known.top_p <= 1:

@@ -112,15 +112,19 @@ def hf_family(config: dict, folder: Path, key: str = _KEY) -> ModelSpec:
                     f" (known: {', '.join(known)})")
 
 
-def hf_model_args(config: dict, spec: ModelSpec, flavor: str, folder: Path) -> tuple[dict, bool]:
-    """(``[model.overrides]`` that turn ``flavor`` into the model config.json describes, its tie_embeddings)."""
+def hf_model_args(config: dict, spec: ModelSpec, flavor: str, folder: Path, key: str = _KEY) -> tuple[dict, bool]:
+    """(``[model.overrides]`` that turn ``flavor`` into the model config.json describes, its tie_embeddings).
+    ``tie_embeddings`` is among the overrides when it differs from the flavor's (an untied model on a tied
+    flavor stays untied: ``[model] tie_embeddings`` can only turn tying on)."""
     base = spec.flavors[flavor]
     try:
         theirs = spec.hf.from_config(config, base)
     except UserError as e:
-        raise UserError(f"{_KEY}: {folder}/{e}") from None
-    tied = theirs.pop("tie_embeddings")
-    return {k: v for k, v in theirs.items() if not _same(getattr(base, k), v)}, tied
+        raise UserError(f"{key}: {folder}/{e}") from None
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError, KeyError) as e:  # a value of the wrong kind
+        raise UserError(f"{key}: {folder}/config.json is not a valid {config.get('model_type')} config"
+                        f" ({type(e).__name__}: {e})") from None
+    return {k: v for k, v in theirs.items() if not _same(getattr(base, k), v)}, theirs["tie_embeddings"]
 
 
 def adopt_hf_config(folder: Path, spec: ModelSpec, model: Model) -> Model:
@@ -133,13 +137,14 @@ def adopt_hf_config(folder: Path, spec: ModelSpec, model: Model) -> Model:
         raise UserError(f"[model] name = {spec.name!r}: {_KEY} {folder} holds a {config.get('model_type')} model, which"
                         f" is family {theirs.name!r}; set [model] name = {theirs.name!r}")
     adopted, tied = hf_model_args(config, spec, model.flavor, folder)
-    mine = dict(model.overrides)
-    differ = [f"{k}={mine[k]!r} (config.json: {adopted.get(k, getattr(spec.flavors[model.flavor], k))!r})"
-              for k in mine if not _same(mine[k], adopted.get(k, getattr(spec.flavors[model.flavor], k)))]
+    mine, base = dict(model.overrides), spec.flavors[model.flavor]
+    # (a key the family lacks is named by resolve_model_args afterwards)
+    differ = [f"{k}={mine[k]!r} (config.json: {adopted.get(k, getattr(base, k, None))!r})"
+              for k in mine if not _same(mine[k], adopted.get(k, getattr(base, k, None)))]
     if differ:
-        logger.warning("[model.overrides] set other values than %s/config.json, and the configured ones are used (weights"
-                       " load only where their shapes agree): %s", folder, ", ".join(differ))
-    taken = {k: v for k, v in adopted.items() if k not in mine}
+        logger.warning("[model.overrides] set other values than %s/config.json, and the configured ones are used (a"
+                       " weight whose shape then differs stops the load, naming it): %s", folder, ", ".join(differ))
+    taken = {k: v for k, v in adopted.items() if k not in mine and k != "tie_embeddings"}
     if taken or tied != model.tie_embeddings:
         listed = ", ".join(f"{k}={v!r}" for k, v in taken.items())
         if tied != model.tie_embeddings:

@@ -2,6 +2,19 @@
 
 import logging
 import os
+import sys
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a record is logged (it may be replaced after set-up)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 def init_logging(level: int = logging.INFO) -> None:
@@ -9,7 +22,7 @@ def init_logging(level: int = logging.INFO) -> None:
     launch (torchrun filters) and by the level each rank sets."""
     root = logging.getLogger()
     if not any(getattr(h, "_trainer", False) for h in root.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         handler._trainer = True
         root.addHandler(handler)

@@ -183,6 +183,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     elif unused := _unused_pipeline_keys(p):
         logger.warning("[parallelism] pipeline_parallel_degree = 1: %s not used; the model runs whole, without a"
                        " pipeline schedule", ", ".join(unused))
+    _check_attention(config, spec, dims)
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
         raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
     vocab = spec.vocab_size(args)
@@ -300,6 +301,22 @@ def _check_logits_memory(config: JobConfig, dims: ParallelDims, vocab_size: int)
             f" alone need ~{logits / gib:,.0f} GiB (x vocabulary {vocab_size}), more than the"
             f" {available / gib:,.0f} GiB of this machine's device"
         )
+
+
+def _check_attention(config: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
+    """``[model] attn_mask_type = "block_causal"`` needs a family that takes document indices, and does not
+    compose (yet) with context parallelism or traced pipeline stages."""
+    if config.model.attn_mask_type != "block_causal":
+        return
+    key, fix = '[model] attn_mask_type = "block_causal"', '; set [model] attn_mask_type = "causal"'
+    if not spec.documents:
+        raise ConfigError(f"{key}: model family {spec.name} does not take document indices (ModelSpec.documents){fix}")
+    if dims.cp > 1:
+        raise ConfigError(f"{key} with [parallelism] context_parallel_degree={dims.cp}: not supported yet (context"
+                          f" parallelism's gathered attention masks by position, not by document){fix}")
+    if dims.pp > 1 and config.parallelism.pipeline_parallel_frontend == "tracer":
+        raise ConfigError(f'{key} with [parallelism] pipeline_parallel_frontend = "tracer": not supported (a traced'
+                          f" stage takes the hidden states only, not the documents){fix}")
 
 
 def _check_frontend(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:

@@ -24,6 +24,7 @@ from trainer.activation_memory import activation_peaks
 from trainer.checkpoint import Checkpointer, GlobalBatch
 from trainer.config import JobConfig, to_toml
 from trainer.config.validate import output_folders
+from trainer.data.documents import model_inputs
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
 from trainer.dtensor import full_tensor, local_tensor
 from trainer.env import init_determinism, init_device
@@ -84,6 +85,8 @@ class Trainer:
     autocast: Callable[[], contextlib.AbstractContextManager]
     step_context: Callable[[], contextlib.AbstractContextManager]
     """Entered around each microbatch's forward and backward: loss parallelism, context-parallel attention."""
+    model_kwargs: Callable[[torch.Tensor], dict]
+    """A microbatch's tokens -> the model's keyword inputs (its documents, for block-causal attention)."""
     timeline: PipelineTimeline | None = None
     profiler: StepProfiler | None = None
 
@@ -91,22 +94,25 @@ class Trainer:
 def train_step(
     parts: ModelParts, optimizers: ChunkOptimizers, microbatches, *, max_norm: float, autocast, step_context,
     meshes: Meshes, on_grads: Callable[[], None] | None = None, progress: Callable[[], None] = lambda: None,
+    model_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {},
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm).
 
-    ``progress`` is called after each microbatch (or pipeline schedule step) and each phase (the watchdog)."""
+    ``progress`` is called after each microbatch (or pipeline schedule step) and each phase (the watchdog);
+    ``model_kwargs(inputs)`` gives the model's keyword inputs of a microbatch (its documents)."""
     summed: list[torch.Tensor] = []  # per-microbatch summed cross-entropy (last pipeline stage only)
     for inputs, labels in microbatches:
+        kwargs = model_kwargs(inputs)
         with step_context():
             if parts.schedule is None:
                 with autocast():
-                    logits = parts.chunks[0](inputs)
+                    logits = parts.chunks[0](inputs, **kwargs)
                 loss = summed_loss(logits, labels)
                 loss.backward()
                 summed.append(loss)
             else:
                 summed += run_schedule(parts.schedule, inputs, labels, has_first=parts.has_first,
-                                       has_last=parts.has_last)
+                                       has_last=parts.has_last, model_kwargs=kwargs)
         progress()
     # Token-mean over the global batch: the gradients hold the summed loss of every microbatch;
     # FSDP/DDP averaged them over the dp and cp ranks. Dividing by the label tokens of the whole
@@ -244,7 +250,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         profiler = StepProfiler(config.profiling, config.job.dump_folder,
                                 rank=dist.get_rank() if dist.is_initialized() else 0, device=device)
     return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
-                   step_context, timeline, profiler)
+                   step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id), timeline, profiler)
 
 
 def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program: Program):
@@ -341,7 +347,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                     run.parts, run.optimizers, microbatches, max_norm=config.training.max_norm, autocast=run.autocast,
                     step_context=run.step_context, meshes=run.meshes,
                     on_grads=None if observer is None else (lambda: observer.on_grads(step, run.parts)),  # noqa: B023
-                    progress=watchdog.beat if watchdog is not None else (lambda: None),
+                    progress=watchdog.beat if watchdog is not None else (lambda: None), model_kwargs=run.model_kwargs,
                 )
             if metered:
                 result.activation_peaks[step] = report_activation_peaks(run, step, meter.peak)
@@ -374,7 +380,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             if run.evaluator is not None and run.evaluator.should_run(step, last_step):
                 evaluation = run.evaluator.run(
                     run.parts, run.meshes, run.device, autocast=run.autocast, step_context=run.step_context,
-                    progress=watchdog.beat if watchdog is not None else (lambda: None))
+                    progress=watchdog.beat if watchdog is not None else (lambda: None), model_kwargs=run.model_kwargs)
                 result.eval_losses[step] = evaluation.loss
                 run.metrics.log_validation(step, evaluation.loss, evaluation.tokens, evaluation.seconds)
             if run.parts.after_step_hook is not None and run.metrics.should_log(step):

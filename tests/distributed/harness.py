@@ -16,6 +16,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB
        # the custom model families of tests/fixtures are importable by name in every rank
        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fixtures"), os.environ.get("PYTHONPATH", "")])}
 
+# Context parallelism and traced stages run causal attention only ([model] attn_mask_type, block_causal by default).
+CAUSAL = ["--model.attn_mask_type", "causal"]
+
 # Shared by every parity run: tiny Llama, fp32, deterministic, global batch of 8 sequences.
 # Adam's eps is large (1e-4, above the gradients' float32 noise but below their typical size):
 # with the default 1e-8, Adam turns 1e-7 rounding noise in near-zero gradient entries into
@@ -30,6 +33,11 @@ PARITY = [
     "--metrics.no-enable_tensorboard", "--debug.deterministic", "--training.mixed_precision_param", "float32",
     # Evaluation after every step on one global batch of held-out text (compared like the losses).
     "--validation.enable", "--validation.split", "train[90%:]", "--validation.freq", "1", "--validation.steps", "1",
+    # Short documents (paragraphs of the bundled text, ~90 tokens each): a third of the windows of 32 tokens
+    # cross an end-of-text, so every case exercises block-causal attention (the default) at document boundaries,
+    # in training and in evaluation.
+    "--training.dataset_path", str(REPO / "tests" / "fixtures" / "short_documents.txt"),
+    "--validation.dataset_path", str(REPO / "tests" / "fixtures" / "short_documents.txt"),  # its last 10%
 ]
 
 

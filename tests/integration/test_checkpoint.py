@@ -92,7 +92,7 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
-    layout = ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", "--training.steps", "6",
+    layout = ["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", "--training.steps", "6",
               *CKPT]
     straight = run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
     run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
@@ -102,8 +102,8 @@ def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
     same_layout = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
     assert same_layout.ok, same_layout.failures[:10]  # bit for bit
     single, tensors = record(load_config(overrides=PARITY + [
-        "--training.local_batch_size", "8", "--training.steps", "6", *CKPT, "--checkpoint.load_step", "3",
-        "--job.dump_folder", str(tmp_path / "r")]))
+        "--model.attn_mask_type", "causal", "--training.local_batch_size", "8", "--training.steps", "6", *CKPT,
+        "--checkpoint.load_step", "3", "--job.dump_folder", str(tmp_path / "r")]))
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
     other_layout = compare(tensors, after)
     REPORT.append(f"{'resume CP2 -> 1 process':<34} worst {other_layout.worst_rel:.2e}  {other_layout.worst_key}")
@@ -345,7 +345,7 @@ def test_an_emptied_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, c
 
 def test_a_split_that_selects_no_documents_names_the_key(tmp_path):
     with pytest.raises(UserError, match=r"\[training.dataloader\] split='train\[50%:50%\]': selects no documents of"
-                                        r" python_docs"):
+                                        r" .*short_documents"):  # local files (PARITY's) say it as the bundled ones do
         train(["--training.dataloader.split", "train[50%:50%]"], tmp_path)
 
 
@@ -471,7 +471,7 @@ def test_streamed_data_resumes_exactly_and_on_another_batch_split(tmp_path, capl
     repo = tmp_path / "hub_dataset"
     (repo / "data").mkdir(parents=True)
     (repo / "data" / "train-00000.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in bundled_documents()))
-    args = ["--training.dataset", str(repo), "--training.dataloader.streaming", "--validation.dataset_path",
+    args = ["--training.dataset_path", "", "--training.dataset", str(repo), "--training.dataloader.streaming", "--validation.dataset_path",
             str(repo / "data"), "--training.local_batch_size", "8", "--training.steps", "6", *CKPT]
     straight = train(args, tmp_path / "straight")
     train(args + ["--training.stop_at_step", "3"], tmp_path / "r")

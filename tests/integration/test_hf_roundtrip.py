@@ -90,6 +90,13 @@ def test_from_hf_train_to_hf_and_generate_like_transformers(tmp_path, family, ca
     kw = dict(max_new_tokens=20, eos_id=None, temperature=1.0, top_k=50, top_p=0.9, seed=3)
     assert gen.generate(ours.model, ids, **kw) == gen.generate(ours.model, ids, kv_cache=False, **kw)
 
+    # A checkpoint loaded into another model shape is one line (DCP's CheckpointException is a BaseException).
+    capsys.readouterr()
+    kv = "--model.overrides.n_kv_heads" if family == "llama3" else "--model.overrides.head_dim_override"
+    assert convert.run(["to-hf", str(step), str(tmp_path / "other"), kv, "1" if family == "llama3" else "8"]) == 2
+    assert re.search(r"(?m)^error: to-hf CHECKPOINT_STEP_FOLDER: cannot load .*step-1 into .*another model shape",
+                     capsys.readouterr().err)
+
     # The command line: the exported folder and the checkpoint generate the same text.
     capsys.readouterr()
     assert gen.run([str(tmp_path / "out"), "--prompt", PROMPT, "--max-new-tokens", "20"]) == 0
@@ -148,6 +155,8 @@ def test_an_imported_config_json_is_adopted_and_a_conflicting_override_said(tmp_
     assert (a.dim, a.n_layers, a.n_heads, a.n_kv_heads, a.vocab_size, a.ffn_hidden_dim, a.rope_theta, a.norm_eps) == (
         64, 2, 4, 2, VOCAB, 96, 10000.0, 1e-6)
     assert "takes its shape from" in caplog.text and "dim=64" in caplog.text
+    # A tied flavor (1B) with an untied folder: the model stays untied, as config.json says.
+    assert load_plan(start + ["--model.flavor", "1B"], 1).model_args.tie_embeddings is False
     plan = load_plan(start + ["--model.overrides.rope_theta", "500000"], 1)
     assert plan.model_args.rope_theta == 500000.0
     assert re.search(r"WARNING .*\[model.overrides\] set other values than .*config.json.*: rope_theta=500000(\.0)?"
@@ -164,8 +173,38 @@ def test_an_imported_config_json_is_adopted_and_a_conflicting_override_said(tmp_
         load_plan(start, 1)
 
 
+def test_transformers_4_and_5_config_files_describe_the_same_model():
+    """transformers 5 writes rope_parameters and num_local_experts; 4 wrote rope_theta, rope_scaling and num_experts."""
+    from trainer.models import get_model_spec
+
+    for family, v5 in FAMILIES.items():
+        config = v5().config.to_dict()
+        v4 = {k: v for k, v in config.items() if k not in ("rope_parameters", "num_local_experts")}
+        v4.update(rope_theta=config["rope_parameters"]["rope_theta"], rope_scaling=None)
+        if family == "moe":
+            v4["num_experts"] = config["num_local_experts"]
+        spec = get_model_spec(family)
+        base = next(iter(spec.flavors.values()))
+        assert spec.hf.from_config(v4, base) == spec.hf.from_config(config, base), family
+
+
+def test_generation_in_bfloat16_and_stopping_at_generation_config_ids(tmp_path, capsys):
+    hf_folder(tmp_path, "llama3")
+    assert gen.run([str(tmp_path), "--prompt", PROMPT, "--max-new-tokens", "4", "--dtype", "bfloat16"]) == 0
+    model = load_hf(tmp_path, key="test", seq_len=64).model
+    ids = HFTokenizer(tmp_path / "tokenizer.json").encode(PROMPT, bos=True)
+    free = gen.generate(model, ids, max_new_tokens=12, eos_id=None)
+    stop = free[5]
+    assert gen.generate(model, ids, max_new_tokens=12, eos_id=None, stop_ids=(stop,)) == free[:free.index(stop) + 1]
+
+
 def test_converter_and_generator_errors_are_one_line(tmp_path, capsys):
     hf_folder(tmp_path / "hf", "llama3")
+    for name, change in (("gelu", {"hidden_act": "gelu"}), ("zero-heads", {"num_attention_heads": 0}),
+                         ("text-size", {"hidden_size": "64"}), ("no-vocab", {"vocab_size": None})):
+        shutil.copytree(tmp_path / "hf", tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **change}))
     shutil.copytree(tmp_path / "hf", tmp_path / "no-weights")  # ... but one tensor short
     from safetensors.torch import load_file, save_file
 
@@ -181,6 +220,20 @@ def test_converter_and_generator_errors_are_one_line(tmp_path, capsys):
         (convert.run, ["from-hf", str(tmp_path / "no-weights"), str(tmp_path / "o")],
          r"from-hf HF_FOLDER: .*no-weights has no tensor 'model.layers.1.mlp.down_proj.weight'"),
         (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--device", "cuda:7"], r"--device cuda:7: not usable here"),
+        (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--device", "meta"], r"--device meta: use cpu, cuda"),
+        (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--temperature", "1e-40"], r"must be 0 \(greedy\) or in"),
+        (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--seed", str(2**80)], r"--seed .*: must be in 0 .."),
+        (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--max-new-tokens", "1000000000"], r"must be in 1 .."),
+        (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--logits", str(tmp_path / "no" / "l.pt")],
+         r"--logits .*l.pt: cannot write it"),
+        (convert.run, ["from-hf", str(tmp_path / "gelu"), str(tmp_path / "o")],
+         r"from-hf HF_FOLDER: .*gelu/config.json hidden_act = 'gelu': the llama3 family computes only 'silu'"),
+        (convert.run, ["from-hf", str(tmp_path / "zero-heads"), str(tmp_path / "o")],
+         r"from-hf HF_FOLDER: .*config.json is not a valid llama config \(ZeroDivisionError"),
+        (convert.run, ["from-hf", str(tmp_path / "text-size"), str(tmp_path / "o")],
+         r"from-hf HF_FOLDER: .*config.json (is not a valid llama config|describes a model llama3 cannot build)"),
+        (convert.run, ["from-hf", str(tmp_path / "no-vocab"), str(tmp_path / "o")],
+         r"from-hf HF_FOLDER: .*config.json describes a model llama3 cannot build"),
         (gen.run, [str(tmp_path / "hf"), "--prompt", "x", "--max-new-tokens", "many"], r"invalid int value: 'many'"),
         (gen.run, [str(tmp_path / "hf"), "--prompt-file", str(tmp_path / "none.txt")], r"--prompt-file .*none.txt:"
                                                                                        r" cannot read it"),
@@ -194,7 +247,7 @@ def test_converter_and_generator_errors_are_one_line(tmp_path, capsys):
         capsys.readouterr()
         assert command(argv) == 2, argv
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and "Traceback" not in err, err
+        assert any(line.startswith("error: ") for line in err.splitlines()) and "Traceback" not in err, err
         assert re.search(words, err), err
 
 

@@ -68,9 +68,11 @@ def test_the_checkpointing_terms_of_the_estimate_match_what_autograd_saves(tmp_p
     from trainer.train import main
 
     def run(*overrides):
+        # Causal: the document mask and rotary table that block-causal blocks share are held by the checkpoint
+        # outside the meter's sight, which would skew "one block" (the single-process test counts them).
         args = ["--model.overrides.n_layers", "2", "--training.seq_len", "64", "--training.steps", "1",
                 "--profiling.activation_memory_steps", "1", "--validation.no-enable", "--metrics.no-enable_tensorboard",
-                "--job.dump_folder", str(tmp_path / str(len(overrides))), *overrides]
+                "--model.attn_mask_type", "causal", "--job.dump_folder", str(tmp_path / str(len(overrides))), *overrides]
         (measured,) = main(load_config(overrides=args)).activation_peaks[1]
         (estimate,) = activation_peaks(load_plan(args), "cpu")
         return measured, estimate

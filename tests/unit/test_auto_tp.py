@@ -139,7 +139,7 @@ def test_gpt_family_separate_and_fused_projections():
 
 
 def test_config_requires_auto_for_a_family_without_a_plan():
-    gpt = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny",
+    gpt = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny",
            "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "32"]
     with pytest.raises(ConfigError, match='tiny_gpt has no hand-written TP plan; set .* tensor_parallel_plan = "auto"'):
         load_plan(gpt)

@@ -22,7 +22,7 @@ from trainer.optim import lr_factor
 REPO = Path(__file__).resolve().parents[2]
 O = "--model.overrides."
 MOE = ["--model.name", "moe", "--model.flavor", "debugmodel"]
-GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny", "--training.seq_len", "32"]
+GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny", "--training.seq_len", "32"]
 
 BAD = [
     # model args the family cannot build (each names the [model.overrides] key)

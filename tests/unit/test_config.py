@@ -280,7 +280,7 @@ CLI_ERRORS = [
      ["seq_len=30", "2 * [parallelism] context_parallel_degree=2", "4 equal chunks"]),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", "--training.seq_len",
       "36"], ["seq_len=36 / context_parallel_degree 2 = 18 tokens per rank", "tensor_parallel_degree=4"]),
-    (["--parallelism.context_parallel_degree", "2", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
+    (["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
       "--model.flavor", "tiny", "--training.seq_len", "32"], ["context_parallel_degree=2", "tiny_gpt", "cp_buffers"]),
 ]
 

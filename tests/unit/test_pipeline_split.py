@@ -19,7 +19,7 @@ def plan_for(*args):
     return load_plan(list(args)).pipeline
 
 
-TRACER = ["--parallelism.pipeline_parallel_frontend", "tracer"]
+TRACER = ["--parallelism.pipeline_parallel_frontend", "tracer", "--model.attn_mask_type", "causal"]
 
 
 def pp(n, *args):
@@ -309,22 +309,24 @@ def test_every_torch_schedule_written_as_csv_passes_the_check(tmp_path, schedule
 def test_dry_run_shows_state_and_activations_per_rank():
     """Activation column: 1F1B on 2 ranks, microbatches of 1 x 256 tokens, bf16 (the dry run plans accelerators);
     rank 0 holds 2 microbatches of stage 0 in flight, rank 1 one of stage 1 (derived from the Llama per-token
-    bytes and the schedule, as trainer/activation_memory.py documents)."""
+    bytes and the schedule, as trainer/activation_memory.py documents). Each stage also keeps its document
+    mask (256 bf16 values per token) and rotary table per token (block-causal attention, the default)."""
     from trainer.activation_memory import activation_peaks
 
     plan = load_plan(pp(2))
     text = describe_plan(plan)
     per_token = LLAMA.activation_bytes(plan.model_args, dtype_bytes=2)
     tokens = 256
-    stage0 = tokens * (per_token.pre + sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[0].blocks))
-    stage1 = tokens * (sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[1].blocks) + per_token.post)
+    documents = tokens * 2 + per_token.documents
+    stage0 = tokens * (per_token.pre + sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[0].blocks) + documents)
+    stage1 = tokens * (sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[1].blocks) + per_token.post + documents)
     assert activation_peaks(plan, "cuda") == pytest.approx([2 * stage0, stage1])
     assert "state GiB  activations GiB  total GiB" in text
     assert f"{2 * stage0 / 2**30:.2f}" in text.split("activations GiB")[1]
     assert "bfloat16 compute on accelerators" in text
     no_pp = describe_plan(load_plan([]))
     assert "Activations: ~" in no_pp and "microbatch of 8 x 256 tokens" in no_pp
-    cp = describe_plan(load_plan(["--parallelism.context_parallel_degree", "2"]))
+    cp = describe_plan(load_plan(["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "2"]))
     assert "activations not estimated: not modelled under context parallelism" in cp
 
 
@@ -372,7 +374,7 @@ def test_the_manual_front_end_refuses_blocks_it_cannot_delete():
 
     register_model(dataclasses.replace(get_model_spec("seq_gpt"), name="seq_gpt_claims_manual", manual_split=True))
     with pytest.raises(ConfigError) as info:
-        load_plan(pp(2, "--model.name", "seq_gpt_claims_manual", "--model.flavor", "tiny"))
+        load_plan(pp(2, "--model.name", "seq_gpt_claims_manual", "--model.flavor", "tiny", "--model.attn_mask_type", "causal"))
     assert 'holds its blocks (blocks) in a Sequential, not a ModuleDict' in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -446,7 +448,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from tests.conftest import load_plan
 from trainer.models.init import materialize_
 from trainer.parallel.pipeline import trace_pipeline, traced_stages
-plan = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend", "tracer",
+plan = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend", "tracer", "--model.attn_mask_type", "causal",
                   "--training.seq_len", "16"], world_size=2)
 whole = plan.build_model()
 materialize_(whole, torch.device("cpu"), 0)

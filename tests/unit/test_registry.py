@@ -7,7 +7,7 @@ from tests.conftest import load_plan
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
-GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
+GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
 
 
 def test_custom_family_trains_from_config(tiny_run_args):

@@ -90,6 +90,10 @@ class Model:
     """Keep only the first N BPE ranks of the tokenizer file; 0 = as many as the model vocab holds."""
     tie_embeddings: bool = False
     """Share one weight between the input embedding and the output projection."""
+    attn_mask_type: Literal["causal", "block_causal"] = "block_causal"
+    """block_causal: a token attends only to earlier tokens of its own document (documents end at the end-of-text token) and rotary positions restart at each document; causal: to every earlier token of the window."""
+    attn_backend: Literal["sdpa"] = "sdpa"
+    """Attention kernel: F.scaled_dot_product_attention (with a boolean mask when a window holds several documents)."""
     modules: list[str] = field(default_factory=list)
     """Python modules to import before the model is looked up (to register your own families)."""
     overrides: dict = field(default_factory=dict)

@@ -86,6 +86,8 @@ def load_documents(source: Source, opts: DataLoader) -> "datasets.Dataset | data
             # ("train[:90%]", "train[90%:]") to hold part of it out.
             ds = datasets.load_dataset(builder, data_files={"train": files}, split=source.split, **extra)
         except (ValueError, KeyError) as e:
+            if "corresponds to no data" in str(e):  # an empty slice, like 'train[50%:50%]'
+                raise UserError(f"{source.split_key}={source.split!r}: selects no documents of {source.name}") from None
             if "split" not in str(e).lower():
                 raise UserError(f"{source.path_key}: cannot read {path} as {builder}: {e}") from None
             raise _split_error(source, e, "local files") from None

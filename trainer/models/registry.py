@@ -60,6 +60,10 @@ class ActivationBytes:
     """The modules before the blocks (first pipeline stage)."""
     post: float
     """The modules after the blocks and the loss (last pipeline stage)."""
+    documents: float = 0.0
+    """Under block-causal attention, what every pipeline stage keeps once for its blocks besides the mask
+    (e.g. the rotary table gathered per token); the mask itself (seq_len values in the compute dtype per
+    token) is counted by trainer/activation_memory.py."""
 
 
 def _size_rotary_table(args: Any, seq_len: int) -> Any:
@@ -120,6 +124,10 @@ class ModelSpec:
     cp_buffers: tuple[str, ...] = ()
     """Buffers indexed by sequence position (e.g. the rotary table). A family supports context
     parallelism when it names them and its attention is a causal F.scaled_dot_product_attention."""
+    documents: bool = False
+    """Whether the model's forward takes ``documents=`` (batch, seq) document indices (from
+    trainer.data.documents) and attends within documents with positions restarting at each
+    (``[model] attn_mask_type = "block_causal"``); a pipeline chunk's forward takes it too."""
 
     def tied_aliases(self, args: Any) -> dict[str, str]:
         """{alias: canonical} of the weights tied in a model built from ``args`` (empty when untied)."""

@@ -168,12 +168,14 @@ def schedule_stages(schedule: "_PipelineSchedule") -> list:
 
 
 def run_schedule(schedule: "_PipelineSchedule", inputs: torch.Tensor, labels: torch.Tensor, *,
-                 has_first: bool, has_last: bool) -> list[torch.Tensor]:
-    """One forward/backward over a batch; returns the per-microbatch losses (last stage only)."""
+                 has_first: bool, has_last: bool, model_kwargs: dict | None = None) -> list[torch.Tensor]:
+    """One forward/backward over a batch; returns the per-microbatch losses (last stage only).
+    ``model_kwargs`` (batch-first tensors, e.g. ``documents``) are split into microbatches like the
+    inputs and reach every stage's forward."""
     losses: list[torch.Tensor] = []
     args = (inputs,) if has_first else ()
     if has_last:
-        schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+        schedule.step(*args, target=labels, losses=losses, return_outputs=False, **(model_kwargs or {}))
     else:
-        schedule.step(*args, return_outputs=False)
+        schedule.step(*args, return_outputs=False, **(model_kwargs or {}))
     return losses

@@ -23,6 +23,7 @@ register_model(
         tied_weights=TIED_WEIGHTS,
         tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads},
         cp_buffers=("rope",),
+        documents=True,
         activation_bytes=llama_activation_bytes,
         validate_args=validate_llama_args,
         hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config,

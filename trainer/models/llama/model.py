@@ -32,14 +32,16 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> to
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of ``x`` (batch, seq, heads, head_dim) by their position's angle.
+    """Rotate consecutive pairs of ``x`` (batch, seq, heads, head_dim) by their position's angle: row i of
+    ``table`` (positions, head_dim / 2, 2) for token i, or ``table`` (batch, seq, head_dim / 2, 2) per token.
 
     One complex multiply: the pair (x0, x1) is x0 + i x1 and the table's (cos, sin) is e^(i angle).
     It gives the same bits as the four real products and a sum (x0 cos - x1 sin, x0 sin + x1 cos)
     and ran ~9x faster forward and backward on CPU (benchmarks: docs/performance.md)."""
     seq = x.shape[1]
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (batch, seq, heads, head_dim/2)
-    angles = torch.view_as_complex(table[:seq, None])  # (seq, 1, head_dim/2)
+    per_token = table.dim() == 4
+    angles = torch.view_as_complex(table[:, :seq, None] if per_token else table[:seq, None])  # (..., seq, 1, head_dim/2)
     return torch.view_as_real(pairs * angles).flatten(-2).type_as(x)
 
 
@@ -61,7 +63,8 @@ class Attention(nn.Module):
         """Set for generation (trainer/generate.py): keys and values of the earlier positions are kept, and
         ``x`` holds only the positions after them."""
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (batch, 1, seq, seq) additive mask of the keys each query may see (documents); None = causal."""
         bs, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
@@ -69,8 +72,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cache, mask = self.kv_cache, None
+        cache = self.kv_cache
         start = 0 if cache is None else cache.length
+        if cache is not None and mask is not None:
+            raise ValueError("generation with a KV cache takes one document: no mask")
         q, k = apply_rope(q, rope[start:]), apply_rope(k, rope[start:])
         if cache is not None:
             k, v = cache.append(k, v)
@@ -78,8 +83,31 @@ class Attention(nn.Module):
                 mask = torch.arange(start + seq, device=x.device) <= torch.arange(start, start + seq, device=x.device)[:, None]
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             is_causal=start == 0, enable_gqa=q.shape[2] != k.shape[2])
+                                             is_causal=mask is None and start == 0, enable_gqa=q.shape[2] != k.shape[2])
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+def document_attention(documents: torch.Tensor | None, table: torch.Tensor,
+                       hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(rotary table, attention mask) for windows of ``documents``, built once per forward and shared by the
+    layers: the table gathered at each token's position within its document, (batch, seq, head_dim / 2, 2),
+    and an additive mask (0 where a query may see a key: earlier or same position, same document; -inf
+    elsewhere), (batch, 1, seq, seq), in the dtype attention computes in: autocast's, else ``hidden``'s. An additive mask in the activations' dtype is what the attention
+    kernel keeps for backward; a boolean one would be converted, and kept, anew by every layer. A batch in
+    which every window is one document (the common case with long documents) keeps the causal kernel and
+    the table as they are: no mask, the same positions."""
+    if documents is None or not bool(documents.any()):
+        return table, None
+    seq = documents.shape[1]
+    index = torch.arange(seq, device=documents.device)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # where each token's document begins
+    allowed = (documents[:, :, None] == documents[:, None, :]) & (index[:, None] >= index[None, :])
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed, float("-inf"))
+    return table[index - first], mask[:, None]
 
 
 class KVCache:
@@ -122,8 +150,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -143,11 +171,14 @@ class Transformer(nn.Module):
         """Block ``layer_id``; families built on this class (e.g. MoE) override it."""
         return TransformerBlock(args)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) -> logits (batch, seq, vocab); chunks pass hidden states (batch, seq, dim)."""
+    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab); chunks pass hidden states (batch, seq, dim).
+        ``documents`` (batch, seq): each token's document in the window (trainer.data.documents); given,
+        attention stays within documents and rotary positions restart at each."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        rope, mask = document_attention(documents, self.rope, h)
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -227,7 +258,8 @@ def attention_activation_bytes(args, *, dtype_bytes: int, tp: int, sequence_para
         attention += (b * 2 * (heads + kv) + 4 * (args.n_heads + args.num_kv_heads)) / tp
     final_norm = b * 3 * norm_share + 4
     vocab = args.vocab_size / tp if loss_parallel else args.vocab_size
-    return norm, attention, ActivationBytes(blocks=(), block_input=b * norm_share, pre=8.0,
+    # documents: the rotary table gathered at each token's position, float32 (head_dim / 2 pairs of cos, sin)
+    return norm, attention, ActivationBytes(blocks=(), block_input=b * norm_share, pre=8.0, documents=4 * args.head_dim,
                                             post=final_norm + 4 * vocab + 8)
 
 

@@ -26,6 +26,7 @@ register_model(
         tied_weights=TIED_WEIGHTS,
         tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads},
         cp_buffers=("rope",),
+        documents=True,
         validate_args=validate_moe_args,
         after_step=moe_after_step,
         num_experts=lambda args: args.n_experts,

@@ -1,0 +1,27 @@
+"""Documents within packed windows, for block-causal attention (``[model] attn_mask_type``).
+
+Every loader packs documents as ``[BOS] text EOS`` (``text EOS`` for tokenizers without BOS) end
+to end, so the boundaries are in the tokens themselves: a document begins after each end-of-text
+token. Deriving them from the window keeps every loader (token shards, mixing, streaming)
+deterministic and resumable exactly as before, and a window that starts mid-document simply
+begins with that document's remainder (document 0, positions from 0). The model turns the
+indices into its mask and positions (trainer.models.llama.model.document_attention).
+"""
+
+from collections.abc import Callable
+
+import torch
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """(batch, seq) tokens -> (batch, seq) int32: the index of each token's document within its window
+    (0 up to the first end-of-text token, which still belongs to it; 1 after it; ...)."""
+    ends = (tokens == eos_id).to(torch.int32)
+    return ends.cumsum(1, dtype=torch.int32) - ends
+
+
+def model_inputs(attn_mask_type: str, eos_id: int) -> Callable[[torch.Tensor], dict]:
+    """A microbatch's tokens -> the model's keyword inputs: its ``documents`` under block-causal attention."""
+    if attn_mask_type != "block_causal":
+        return lambda tokens: {}
+    return lambda tokens: {"documents": document_ids(tokens, eos_id)}
