@@ -52,3 +52,27 @@ def test_a_packed_window_computes_each_document_alone(family):
         torch.testing.assert_close(out[1], model(plain)[0], rtol=1e-5, atol=1e-5)
         # ... and plain causal attention over the packed window is something else (the test can fail).
         assert not torch.allclose(model(packed)[0, 9:], out[0, 9:], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("args, world, words", [
+    (["--parallelism.context_parallel_degree", "2"], 2,
+     r'\[model\] attn_mask_type = "block_causal" with \[parallelism\] context_parallel_degree=2: not supported yet'),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend", "tracer",
+      "--training.mixed_precision_param", "float32"], 2,
+     r'attn_mask_type = "block_causal" with \[parallelism\] pipeline_parallel_frontend = "tracer": not supported'),
+    (["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"], 1,
+     r'attn_mask_type = "block_causal": model family tiny_gpt does not take document indices'),
+])
+def test_what_block_causal_does_not_compose_with_is_refused_naming_the_key(args, world, words):
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=words + r'.*; set \[model\] attn_mask_type = "causal"'):
+        load_plan(args, world)
+    load_plan(args + ["--model.attn_mask_type", "causal"], world)  # ... and causal plans
+
+
+def test_the_dry_run_says_which_attention_runs():
+    from trainer.dry_run import describe_plan
+
+    assert "attention block_causal (within documents)" in describe_plan(load_plan([]))
+    assert "attention causal\n" in describe_plan(load_plan(["--model.attn_mask_type", "causal"]))
