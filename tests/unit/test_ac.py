@@ -44,7 +44,11 @@ def test_ac_keeps_parameter_names_and_gradients_and_saves_less():
 
 @pytest.mark.slow
 def test_compile_matches_eager(tiny_args):
-    """torch.compile per block (inductor on CPU; about 20 s of compilation) gives the eager numbers."""
+    """torch.compile per block (inductor on CPU; about 20 s of compilation) gives the eager numbers, on short
+    documents: the compiled blocks run with the document mask (block-causal, the default)."""
+    from tests.conftest import REPO
+
+    tiny_args = tiny_args + ["--training.dataset_path", str(REPO / "tests" / "fixtures" / "short_documents.txt")]
     eager = main(load_config(overrides=tiny_args))
     compiled = main(load_config(overrides=tiny_args + ["--compile.enable"]))
     assert compiled.losses == pytest.approx(eager.losses, rel=1e-5)
