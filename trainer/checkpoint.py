@@ -45,6 +45,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 # The LR schedule is a function of the step counter in train_state, so it is not a part of its own.
 PARTS = CHECKPOINT_PARTS
+ATTENTION = ("causal", "block_causal")  # [model] attn_mask_type, saved as its index in train_state
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -232,11 +233,11 @@ class Checkpointer:
 
     def __init__(self, checkpoint: schema.Checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
                  pp_rank: int = 0, pp: int = 1, hf_writer: bool = True, batch: "GlobalBatch | None" = None,
-                 tokenizer=None):
+                 tokenizer=None, attention: str = ""):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
         rank's file of a Hugging Face export (one writer per pipeline rank). ``batch`` is this run's global
         batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer (its identity likewise; its files go
-        into the Hugging Face export)."""
+        into the Hugging Face export); ``attention`` the ``[model] attn_mask_type``, saved and compared on resume."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
@@ -246,6 +247,7 @@ class Checkpointer:
         self.batch = batch
         self.tokenizer = tokenizer.identity if tokenizer is not None else ""
         self.tokenizer_files = tokenizer
+        self.attention = attention
         self.pending = None  # (future, name) of an asynchronous save in flight
         self._began: dict[str, float] = {}  # when each save in progress started (for the "saved" line)
         self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
@@ -285,6 +287,8 @@ class Checkpointer:
             state["train_state"]["global_batch"] = torch.tensor(self.batch.sequences)
         if self.tokenizer:
             state["train_state"]["tokenizer"] = torch.tensor(_digest(self.tokenizer))
+        if self.attention:
+            state["train_state"]["attention"] = torch.tensor(ATTENTION.index(self.attention))
         state["rng"] = self._rng_state()
         return state
 
@@ -514,6 +518,17 @@ class Checkpointer:
         logger.warning("the global batch changes from %d to %d sequences at step %d ([training] global_batch_size), as"
                        " configured; the optimisation continues with the new batch", saved, self.batch.sequences, step + 1)
 
+    def _check_attention(self, path: Path, train_state: dict) -> None:
+        """A run continued with another [model] attn_mask_type than it was trained with says so (it continues as
+        configured); checkpoints saved before the key existed were trained with causal attention."""
+        saved = ATTENTION[int(train_state["attention"])] if "attention" in train_state else None
+        if saved == self.attention or (saved is None and self.attention == "causal"):
+            return
+        before = f"with {saved} attention" if saved else "before [model] attn_mask_type existed, with causal attention"
+        logger.warning("[model] attn_mask_type: %s was trained %s; this run continues with %s attention, as configured"
+                       " (set attn_mask_type = %r to continue as it was trained)", path, before, self.attention,
+                       saved or "causal")
+
     def _load(self, path: Path, step: int | None) -> int:
         began = time.monotonic()
         logger.info("loading checkpoint %s", path)
@@ -584,6 +599,8 @@ class Checkpointer:
                                 f" ({self.tokenizer}): its token ids would mean other text. Resume with the tokenizer it"
                                 " was trained with, or start a new run from its weights with [checkpoint]"
                                 " initial_load_path")
+        if step is not None and self.attention and "train_state" in state:
+            self._check_attention(path, state["train_state"])
         # The LR schedule continues from the step the run continues from (0 when train_state is
         # excluded: both restart), so the schedule and the step counter always agree.
         self.optimizers.set_schedule_position(resumed)

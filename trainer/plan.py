@@ -387,7 +387,7 @@ def cost_identity(config: JobConfig, args: Any, tp: int, cp: int) -> dict:
             "n_layers": getattr(args, "n_layers", None), "seq_len": config.training.seq_len,
             "microbatch_size": config.parallelism.pipeline_parallel_microbatch_size, "tp": tp, "cp": cp,
             "activation_checkpoint": f"{config.activation_checkpoint.mode} {config.activation_checkpoint.selective_ac_option}",
-            "dtype": config.training.mixed_precision_param}
+            "dtype": config.training.mixed_precision_param, "attention": m.attn_mask_type}
 
 
 def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims,

@@ -231,7 +231,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         loader=loader, spec=plan.spec, model_args=plan.model_args, pp_rank=pp_rank, pp=dims.pp,
         hf_writer=not dist.is_initialized() or dist.get_rank() % (dims.world_size // dims.pp) == 0,
         batch=GlobalBatch(plan.global_batch_size, config.training.global_batch_size == -1, plan.global_batch_parts),
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, attention=config.model.attn_mask_type,
     )
     timeline = None
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:
@@ -250,7 +250,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         profiler = StepProfiler(config.profiling, config.job.dump_folder,
                                 rank=dist.get_rank() if dist.is_initialized() else 0, device=device)
     return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
-                   step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id), timeline, profiler)
+                   step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id, tokenizer.bos_id), timeline, profiler)
 
 
 def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program: Program):

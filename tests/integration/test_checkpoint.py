@@ -486,3 +486,30 @@ def test_streamed_data_resumes_exactly_and_on_another_batch_split(tmp_path, capl
     narrower = train(args + ["--training.local_batch_size", "4", "--training.global_batch_size", "4"],
                      tmp_path / "other")
     assert len(narrower.losses) == 3 and "saved with 8 lanes (windows per global batch), this run has 4" in caplog.text
+
+
+def test_a_resume_with_another_attention_says_so(tmp_path, caplog, monkeypatch):
+    """The attention a run was trained with is saved with the step; continuing it with another
+    [model] attn_mask_type says so in one warning (and continues as configured). A checkpoint saved before
+    the key existed (no record) was trained causal: continuing it block-causal says so too."""
+    args = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
+    train(args + ["--training.stop_at_step", "2", "--model.attn_mask_type", "causal"], tmp_path)
+    train(args + ["--training.stop_at_step", "3", "--model.attn_mask_type", "causal"], tmp_path)
+    assert "attn_mask_type" not in caplog.text  # the same attention: nothing to say
+    train(args, tmp_path)  # block_causal, the default
+    assert ("step-3 was trained with causal attention; this run continues with block_causal attention, as configured"
+            " (set attn_mask_type = 'causal' to continue as it was trained)") in caplog.text
+    # An older version's checkpoint: no record of its attention.
+    real = ckpt.Checkpointer.__init__
+
+    def older(self, *a, **kw):
+        real(self, *a, **kw)
+        self.attention = ""
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt.Checkpointer, "__init__", older)
+        train(args + ["--training.stop_at_step", "2", "--model.attn_mask_type", "causal"], tmp_path / "old")
+    assert "train_state.attention" not in FileSystemReader(str(tmp_path / "old" / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
+    caplog.clear()
+    train(args + ["--training.stop_at_step", "3"], tmp_path / "old")
+    assert "step-2 was trained before [model] attn_mask_type existed, with causal attention" in caplog.text

@@ -13,15 +13,23 @@ from collections.abc import Callable
 import torch
 
 
-def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+def document_ids(tokens: torch.Tensor, eos_id: int, bos_id: int | None = None) -> torch.Tensor:
     """(batch, seq) tokens -> (batch, seq) int32: the index of each token's document within its window
-    (0 up to the first end-of-text token, which still belongs to it; 1 after it; ...)."""
-    ends = (tokens == eos_id).to(torch.int32)
+    (0 up to the first end-of-text token, which still belongs to it; 1 after it; ...). A tokenizer whose
+    begin- and end-of-text are one token (GPT-2's ``<|endoftext|>``) wraps documents as ``E text E``: there an
+    E that text follows begins a document (it is not one of its own), and only an E followed by E (or by the
+    window's end) ends one."""
+    ends = tokens == eos_id
+    if bos_id == eos_id:
+        followed_by_end = torch.ones_like(ends)
+        followed_by_end[:, :-1] = tokens[:, 1:] == eos_id
+        ends &= followed_by_end
+    ends = ends.to(torch.int32)
     return ends.cumsum(1, dtype=torch.int32) - ends
 
 
-def model_inputs(attn_mask_type: str, eos_id: int) -> Callable[[torch.Tensor], dict]:
+def model_inputs(attn_mask_type: str, eos_id: int, bos_id: int | None = None) -> Callable[[torch.Tensor], dict]:
     """A microbatch's tokens -> the model's keyword inputs: its ``documents`` under block-causal attention."""
     if attn_mask_type != "block_causal":
         return lambda tokens: {}
-    return lambda tokens: {"documents": document_ids(tokens, eos_id)}
+    return lambda tokens: {"documents": document_ids(tokens, eos_id, bos_id)}

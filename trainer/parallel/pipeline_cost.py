@@ -224,7 +224,8 @@ def write_cost_file(path: Path, *, identity: dict, measured: dict, fit: dict) ->
 IDENTITY_KEYS = {"model": "[model] name / flavor / overrides", "n_layers": "[model] n_layers",
                  "seq_len": "[training] seq_len", "microbatch_size": "[parallelism] pipeline_parallel_microbatch_size",
                  "tp": "[parallelism] tensor_parallel_degree", "cp": "[parallelism] context_parallel_degree",
-                 "activation_checkpoint": "[activation_checkpoint] mode", "dtype": "[training] mixed_precision_param"}
+                 "activation_checkpoint": "[activation_checkpoint] mode", "dtype": "[training] mixed_precision_param",
+                 "attention": "[model] attn_mask_type"}
 
 
 def read_cost_file(path: str, identity: dict) -> dict:

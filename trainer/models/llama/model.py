@@ -81,9 +81,15 @@ class Attention(nn.Module):
             k, v = cache.append(k, v)
             if start and seq > 1:  # new positions attend to every cached one and causally among themselves
                 mask = torch.arange(start + seq, device=x.device) <= torch.arange(start, start + seq, device=x.device)[:, None]
-        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads.
+        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads. On CUDA, no fused kernel
+        # takes both a mask and grouped heads (flash takes no mask, memory-efficient no enable_gqa), and the
+        # fallback keeps every head's scores: with a mask, the kv heads are repeated instead (the CPU kernel takes both).
+        grouped = q.shape[2] != k.shape[2]
+        if grouped and mask is not None and q.is_cuda:
+            k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
+            grouped = False
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             is_causal=mask is None and start == 0, enable_gqa=q.shape[2] != k.shape[2])
+                                             is_causal=mask is None and start == 0, enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
