@@ -75,10 +75,10 @@ def test_torch_profiler_traces_the_chosen_steps_of_a_run(tmp_path):
     events = json.loads((traces / "iteration_4" / "rank0_trace.json").read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any(n.startswith("ProfilerStep#") for n in names) and "aten::mm" in names
-    # the operator summary beside it, by self time: the linear layers' matmuls lead on CPU
+    # the operator summary beside it, by self time, lists the linear layers' matmuls (which operator leads is a
+    # timing: on this tiny model aten::to, aten::mm and attention trade places from run to run)
     ops = (traces / "iteration_4" / "rank0_ops.txt").read_text().splitlines()
-    first = next(line for line in ops if line.strip().startswith("aten::"))
-    assert first.split()[0] == "aten::mm"
+    assert "aten::mm" in {line.split()[0] for line in ops if line.strip().startswith("aten::")}
     # rows in order of self time (the first percentage column)
     self_pct = [float(next(w for w in line.split() if w.endswith("%"))[:-1]) for line in ops if "%" in line
                 and not line.lstrip().startswith("Name")]
