@@ -20,9 +20,15 @@ _PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, 
 
 
 def peak_flops(device: torch.device, configured: float) -> float:
-    """Peak FLOP/s for MFU: ``[metrics] peak_flops`` if set, else a table lookup; 0 = unknown."""
+    """Peak FLOP/s for MFU: ``[metrics] peak_flops`` if set, else a table lookup of accelerators, else on CPU
+    a short float32 matmul measurement (``measured_cpu_peak``); 0 = unknown."""
     if configured:
         return configured
+    if device.type == "cpu":
+        peak = measured_cpu_peak()
+        logger.info("MFU against this CPU's measured float32 matmul rate, %.1f GFLOP/s on %d threads (a 512 x 512"
+                    " matmul; set [metrics] peak_flops to use another peak)", peak / 1e9, torch.get_num_threads())
+        return peak
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in _PEAK_FLOPS.items():
@@ -30,6 +36,19 @@ def peak_flops(device: torch.device, configured: float) -> float:
                 return value
         logger.warning("peak FLOP/s of %r unknown; set [metrics] peak_flops to report MFU", name)
     return 0.0
+
+
+def measured_cpu_peak(size: int = 512, repeats: int = 7) -> float:
+    """FLOP/s of a float32 (size x size) @ (size x size) matmul on this process's threads: the median of
+    ``repeats`` after two warm-ups (~0.1 s on 2 cores). A practical peak: what the step's matmuls could reach."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    times = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        a @ b
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return 2 * size**3 / sorted(times)[len(times) // 2]
 
 
 def memory_gib(device: torch.device) -> tuple[float, str]:
@@ -86,7 +105,7 @@ class MetricsLogger:
         self.device = device
         self.flops_per_token = flops_per_token
         self.dp_degree, self.world_size = dp_degree, world_size
-        self.peak = peak_flops(device, metrics.peak_flops)
+        self.peak = peak_flops(device, metrics.peak_flops) if enabled else 0.0
         self.total_steps = total_steps
         self.writer = None
         self._tensorboard = enabled and metrics.enable_tensorboard

@@ -28,6 +28,7 @@ def test_step_line_shows_progress_elapsed_and_eta(monkeypatch, tmp_path, caplog)
     """Steps of 1 s each: at step 2 of 10, eight steps are left, so 8 s (median of the recent steps)."""
     clock = iter([0.0, 1.0, 1.0, 2.0, 2.0])  # window opens at 0; steps logged at 1 s and 2 s
     monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(metrics_mod, "measured_cpu_peak", lambda: 1e12)  # (it would read the clock)
     logger = MetricsLogger(Metrics(enable_tensorboard=False), dump_folder=str(tmp_path), enabled=True,
                            device=torch.device("cpu"), flops_per_token=1e4, dp_degree=1, world_size=1, total_steps=10)
     with caplog.at_level("INFO"):
@@ -56,3 +57,21 @@ def test_tensorboard_tags_of_paths_are_their_last_part():
     assert metrics_mod.readable_names(["/tmp/byo/txt-prepared", "python_docs", "data/web/"]) == [
         "txt-prepared", "python_docs", "web"]
     assert metrics_mod.readable_names(["a/web", "b/web"]) == ["a_web", "b_web"]  # the same last part: whole names
+
+
+def test_mfu_on_cpu_is_against_a_measured_matmul_rate_unless_a_peak_is_set(monkeypatch, caplog):
+    """On CPU no table knows the peak: a float32 matmul is timed at start (said in one line); a configured
+    [metrics] peak_flops wins without measuring; a rank that does not report measures nothing."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    # 2 * 512^3 FLOP in 1 ms, whatever this machine does: the rate is what the timing says
+    times = iter([0.0, 1e-3] * 20)
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(times))
+    assert metrics_mod.peak_flops(torch.device("cpu"), 0.0) == pytest.approx(2 * 512**3 / 1e-3)
+    assert "measured float32 matmul rate, 268.4 GFLOP/s" in caplog.text
+    monkeypatch.setattr(metrics_mod, "measured_cpu_peak", lambda: pytest.fail("measured although configured"))
+    assert metrics_mod.peak_flops(torch.device("cpu"), 5e9) == 5e9
+    silent = MetricsLogger(Metrics(enable_tensorboard=False), dump_folder="unused", enabled=False,
+                           device=torch.device("cpu"), flops_per_token=1e4, dp_degree=1, world_size=1)
+    assert silent.peak == 0.0
