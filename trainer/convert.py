@@ -256,16 +256,14 @@ def run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    parser = argparse.ArgumentParser(prog="python -m trainer.convert", usage=USAGE, add_help=False, allow_abbrev=False)
+    parser = CommandParser("python -m trainer.convert", USAGE)
     parser.add_argument("direction", choices=["to-hf", "from-hf"])
     parser.add_argument("source")
     parser.add_argument("out")
     parser.add_argument("--dtype", default=None)
-    known, rest = parse_cli(parser, argv, USAGE)
-    if known is None:
-        return 2
     began = time.monotonic()
     try:
+        known, rest = parser.parse_known_args(argv)
         if known.direction == "from-hf":
             if rest or known.dtype:
                 raise UserError(f"from-hf takes HF_FOLDER OUT_FOLDER only (got {' '.join(rest) or '--dtype'})")
@@ -273,27 +271,34 @@ def run(argv: list[str]) -> int:
         else:
             done = to_hf(Path(known.source), Path(known.out), rest, known.dtype)
     except UserError as e:
-        for line in error_lines(e):
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        return report(e, USAGE)
     print(f"{done} ({time.monotonic() - began:.1f} s)")
     return 0
 
 
-def parse_cli(parser: argparse.ArgumentParser, argv: list[str], usage: str):
-    """(known arguments, the rest: config overrides) or (None, None) after printing one error line and the usage."""
-    class _Refuse(Exception):
-        pass
+class UsageError(UserError):
+    """The command line itself is wrong (an unknown choice, a missing argument): the usage follows the error."""
 
-    def error(message):
-        raise _Refuse(message)
 
-    parser.error = error
-    try:
-        return parser.parse_known_args(argv)
-    except _Refuse as e:
-        print(f"error: {e}\n{usage}", file=sys.stderr)
-        return None, None
+class CommandParser(argparse.ArgumentParser):
+    """The commands' argument parser: its mistakes are UsageErrors, reported like every user error (one
+    ``error:`` line, exit 2) instead of argparse's own exit; unknown ``--section.key value`` pairs are left
+    over for the config (``parse_known_args``)."""
+
+    def __init__(self, prog: str, usage: str):
+        super().__init__(prog=prog, usage=usage, add_help=False, allow_abbrev=False)
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def report(error: UserError, usage: str) -> int:
+    """Print a command's user error (and the usage after a command-line mistake); the exit status, 2."""
+    for line in error_lines(error):
+        print(f"error: {line}", file=sys.stderr)
+    if isinstance(error, UsageError):
+        print(usage, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

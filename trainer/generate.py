@@ -15,12 +15,11 @@ timings to stderr. ``--logits OUT.pt`` saves the prompt's logits, (positions, vo
 float32, to compare with another implementation, and generates nothing.
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
-from trainer.errors import UserError, error_lines, one_line
+from trainer.errors import UserError, one_line
 
 USAGE = ("usage: python -m trainer.generate MODEL (--prompt TEXT | --prompt-file FILE) [--max-new-tokens N]"
          " [--temperature T] [--top-k K] [--top-p P] [--seed S] [--no-kv-cache] [--device DEVICE]"
@@ -109,8 +108,9 @@ def run(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    parser = argparse.ArgumentParser(prog="python -m trainer.generate", usage=USAGE, add_help=False,
-                                     allow_abbrev=False)
+    from trainer.convert import CommandParser, report
+
+    parser = CommandParser("python -m trainer.generate", USAGE)
     parser.add_argument("model")
     parser.add_argument("--prompt")
     parser.add_argument("--prompt-file")
@@ -123,12 +123,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--device", default="")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--logits")
-    from trainer.convert import parse_cli
-
-    known, rest = parse_cli(parser, argv, USAGE)
-    if known is None:
-        return 2
     try:
+        known, rest = parser.parse_known_args(argv)
         text = _prompt(known)
         _check(known)
         import torch
@@ -172,9 +168,7 @@ def run(argv: list[str]) -> int:
                             f" and the new tokens' cache ({one_line(e)[:160]})") from None
         seconds = time.monotonic() - began
     except UserError as e:
-        for line in error_lines(e):
-            print(f"error: {line}", file=sys.stderr)
-        return 2
+        return report(e, USAGE)
     stopped = bool(ids) and (ids[-1] == tok.eos_id or ids[-1] in loaded.stop_ids)
     print(text + tok.decode(ids[:-1] if stopped else ids))
     stop = "end of text" if stopped else "max_new_tokens"

@@ -8,13 +8,9 @@ import sys
 class _StderrHandler(logging.StreamHandler):
     """Writes to ``sys.stderr`` as it is when a record is logged (it may be replaced after set-up)."""
 
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def init_logging(level: int = logging.INFO) -> None:
