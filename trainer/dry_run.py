@@ -69,6 +69,8 @@ def describe_plan(plan: JobPlan) -> str:
         what = "the whole set" if v.steps == -1 else f"{v.steps} global batches"
         lines.append(f"Validation: {v.dataset_path or v.dataset} split {v.split!r}, {what} every {v.freq} steps"
                      " and after the last, forward only")
+    if data_parallel := dims.data_parallel():
+        lines.append(f"Data parallel: {data_parallel}")
     if dims.cp > 1:
         lines.append(
             f"Context parallel: each {t.seq_len}-token sequence split over {dims.cp} ranks (chunks i and"

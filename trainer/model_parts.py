@@ -13,6 +13,7 @@ from trainer import loss as loss_mod
 from trainer.dtensor import local_tensor
 from trainer.models.init import materialize_
 from trainer.parallel.cp import ContextParallel, apply_cp
+from trainer.parallel.ddp import set_gradient_sync
 from trainer.parallel.ep import expert_modules
 from trainer.parallel.mesh import Meshes
 from trainer.parallel.parallelize import parallelize
@@ -61,6 +62,12 @@ class ModelParts:
         for chunk in self.chunks:
             metrics.update(self.after_step_hook(chunk, sum_over_batch))
         self.step_metrics = metrics
+
+    def gradient_sync(self, enabled: bool) -> None:
+        """Whether the next backward reduces gradients over the data-parallel ranks (DDP's reducer; FSDP
+        always does). Off for all but the last of a step's microbatches: they accumulate locally."""
+        for chunk in self.chunks:
+            set_gradient_sync(chunk, enabled)
 
     @property
     def has_first(self) -> bool:

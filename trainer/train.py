@@ -101,10 +101,11 @@ def train_step(
     ``progress`` is called after each microbatch (or pipeline schedule step) and each phase (the watchdog);
     ``model_kwargs(inputs)`` gives the model's keyword inputs of a microbatch (its documents)."""
     summed: list[torch.Tensor] = []  # per-microbatch summed cross-entropy (last pipeline stage only)
-    for inputs, labels in microbatches:
+    for i, (inputs, labels) in enumerate(microbatches):
         kwargs = model_kwargs(inputs)
         with step_context():
             if parts.schedule is None:
+                parts.gradient_sync(i == len(microbatches) - 1)
                 with autocast():
                     logits = parts.chunks[0](inputs, **kwargs)
                 loss = summed_loss(logits, labels)

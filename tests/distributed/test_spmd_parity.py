@@ -22,6 +22,11 @@ CLIP = ["--training.max_norm", "0.3"]
 LAYOUTS = {
     "DDP2": (2, [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
                  "--training.local_batch_size", "4"]),
+    # Plain DDP is torch's reducer (trainer/parallel/ddp.py): accumulation reduces once, at the last microbatch.
+    "DDP2+accum2+AC": (2, [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
+                           "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full"]),
+    "DDP2+tied+clip": (2, [TIED, *CLIP, P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree",
+                           "1", "--training.local_batch_size", "4"]),
     "FSDP2": (2, [P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     "FSDP4": (4, [P + "data_parallel_shard_degree", "4", "--training.local_batch_size", "2"]),
     "HSDP2x2": (4, [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",

@@ -91,6 +91,30 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
 
 
 @pytest.mark.slow
+def test_exact_resume_under_plain_ddp_and_on_fsdp(tmp_path):
+    """Plain DDP runs on torch's DDP reducer (plain tensors, not FSDP's DTensors): its checkpoint resumes bit for bit
+    on DDP and, resharded by DCP, on FSDP2."""
+    P = "--parallelism."
+    ddp = [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1"]
+    common = ["--training.local_batch_size", "4", "--training.steps", "6", "--checkpoint.enable",
+              "--checkpoint.interval", "3"]
+    straight = run_layout(2, ddp + common + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
+    after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
+    for name, layout in (("ddp", ddp), ("fsdp", [P + "data_parallel_shard_degree", "2"])):
+        shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-3", tmp_path / name / "checkpoint" / "step-3")
+        resumed = run_layout(2, layout + common + ["--job.dump_folder", str(tmp_path / name)], tmp_path)
+        if name == "ddp":
+            assert resumed["losses"] == straight["losses"][3:]
+            same = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
+            assert same.ok, same.failures[:10]  # bit for bit
+        else:
+            assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-5)
+            other = compare(resumed["tensors"], after)
+            REPORT.append(f"{'resume DDP2 -> FSDP2':<34} worst {other.worst_rel:.2e}  {other.worst_key}")
+            assert other.ok, other.failures[:10]
+
+
+@pytest.mark.slow
 def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
     layout = ["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", "--training.steps", "6",
               *CKPT]

@@ -1,6 +1,7 @@
 """ParallelDims arithmetic and its errors; mesh names and sizes at world size 8 (fake process group)."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from trainer.config import load_config
@@ -27,6 +28,18 @@ def _raw(args):
 
     flat, _, _ = parse_cli(args)
     return _build(JobConfig, flat, ()).parallelism
+
+
+def test_only_plain_replicas_use_the_ddp_reducer():
+    """torch's DDP reducer (trainer/parallel/ddp.py) takes replicas of a whole model; any other degree keeps FSDP2."""
+    assert dims(2, rep=2, shard=1).plain_ddp
+    assert dims(4, rep=4, shard=1).plain_ddp
+    for other in (dims(4, rep=2, shard=2), dims(4, rep=2, shard=1, tp=2), dims(4, rep=2, shard=1, pp=2),
+                  dims(4, rep=2, shard=1, cp=2), dims(2, shard=2), dims(1)):
+        assert not other.plain_ddp, other.describe()
+    assert "DDP reducer" in dims(2, rep=2, shard=1).data_parallel()
+    assert "FSDP2 on a (replicate 2, shard 1)" in dims(4, rep=2, shard=1, tp=2).data_parallel()
+    assert dims(1).data_parallel() == ""
 
 
 def test_shard_degree_takes_the_rest():
@@ -90,6 +103,30 @@ def test_fsdp_mesh_per_layout(fake_world):
     ddp = build_meshes(dims(8, rep=4, shard=1, tp=2), "cpu")
     assert ddp.fsdp.mesh_dim_names == ("dp_replicate", "dp_shard") and tuple(ddp.fsdp.shape) == (4, 1)
     assert build_meshes(dims(8, shard=1, tp=8), "cpu").fsdp is None
+
+
+def test_plain_ddp_gets_the_reducer_group_and_no_fsdp_mesh(fake_world):
+    fake_world(rank=3, world=8)
+    meshes = build_meshes(dims(8, rep=8, shard=1), "cpu")
+    assert meshes.fsdp is None and meshes.ddp.size() == 8
+    assert build_meshes(dims(8, rep=4, shard=1, tp=2), "cpu").ddp is None
+
+
+def test_bfloat16_reduction_hook_sends_the_mean_in_bfloat16(fake_world):
+    """DDP's bucket hook for mixed_precision_reduce = bfloat16: divided by the group size, rounded to bfloat16 for the
+    all-reduce (the fake group's all-reduce returns its input), written back into the float32 bucket."""
+    from trainer.parallel.ddp import _bfloat16_all_reduce
+
+    fake_world(rank=0, world=2)
+    buffer = torch.tensor([1.0 + 2**-12, 3.0, -0.1])
+
+    class Bucket:
+        def buffer(self):
+            return buffer
+
+    out = _bfloat16_all_reduce(dist.group.WORLD, Bucket()).wait()
+    expected = (torch.tensor([1.0 + 2**-12, 3.0, -0.1]) / 2).to(torch.bfloat16).float()
+    assert out is buffer and torch.equal(buffer, expected) and buffer[0].item() == 0.5  # 2**-13 lost to bfloat16
 
 
 def test_context_parallel_ranks_join_the_shard_dimension(fake_world):

@@ -83,6 +83,26 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def plain_ddp(self) -> bool:
+        """Replicas of a whole model and no other parallelism: torch's DDP reducer runs them
+        (trainer.parallel.ddp); with any other degree above 1, replicas are FSDP2's replicate dimension."""
+        return self.dp_replicate > 1 and self.world_size == self.dp_replicate
+
+    def data_parallel(self) -> str:
+        """What reduces gradients over the data-parallel ranks, for the dry run ("" without data parallelism)."""
+        if self.plain_ddp:
+            return (f"DDP over {self.dp_replicate} replicas: torch's DDP reducer, bucketed all-reduces that overlap"
+                    " backward, accumulation reduced once per step")
+        if self.dp * self.cp == 1:
+            return ""
+        shard = self.dp_shard * self.cp
+        if shard == 1:
+            return (f"DDP over {self.dp_replicate} replicas as FSDP2 on a (replicate {self.dp_replicate}, shard 1)"
+                    " mesh, which composes with TP, CP and pipeline stages")
+        what = f"FSDP2: parameters, gradients and Adam state sharded over {shard} ranks (dp_shard x cp)"
+        return f"HSDP, {what}, replicated {self.dp_replicate} times" if self.dp_replicate > 1 else what
+
+    @property
     def grad_average(self) -> int:
         """Ranks whose gradients FSDP/DDP average (data-parallel and context-parallel ranks)."""
         return self.dp * self.cp

@@ -1,8 +1,8 @@
 """FSDP2 (fully_shard) per block plus the top-level modules; HSDP and DDP on a 2-D mesh.
 
-DDP is FSDP2 on a (replicate, shard=1) mesh: parameters stay whole on every rank and
-gradients are all-reduced, but unlike torch's DDP it accepts DTensor (tensor-parallel)
-parameters, so it composes with TP and pipeline chunks.
+DDP composed with TP, CP or a pipeline is FSDP2 on a (replicate, shard=1) mesh: parameters
+stay whole on every rank and gradients are all-reduced, but unlike torch's DDP it accepts
+DTensor (tensor-parallel) parameters and pipeline chunks. Plain DDP is trainer.parallel.ddp.
 """
 
 from typing import Literal

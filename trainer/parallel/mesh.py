@@ -94,14 +94,22 @@ class Meshes:
         return self._sub("cp")
 
     @property
+    def ddp(self) -> dist.ProcessGroup | None:
+        """Group of torch's DDP reducer (trainer.parallel.ddp) when the job is plain DDP (``ParallelDims.plain_ddp``)."""
+        if self.world is None or not self.dims.plain_ddp:
+            return None
+        return self.world["dp_replicate"].get_group()
+
+    @property
     def fsdp(self) -> DeviceMesh | None:
-        """Mesh handed to fully_shard: 1-D (shard) for FSDP, 2-D (replicate, shard) for HSDP and DDP.
+        """Mesh handed to fully_shard: 1-D (shard) for FSDP, 2-D (replicate, shard) for HSDP and for DDP
+        composed with TP, CP or a pipeline (plain DDP is ``ddp``).
 
         Context-parallel ranks are folded into the shard dimension ("dp_shard_cp"): they hold the
         same parameters and their gradients (each from its part of the sequences) must be summed,
         which FSDP's reduce-scatter does; sharding over them too saves memory.
         """
-        if self.world is None or self.dims.dp * self.dims.cp == 1:
+        if self.world is None or self.dims.dp * self.dims.cp == 1 or self.ddp is not None:
             return None
         shard = "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
         if self.dims.dp_replicate > 1:

@@ -12,6 +12,7 @@ from trainer.models import ModelSpec
 from trainer.parallel.ac import apply_ac
 from trainer.parallel.auto_tp import TPPlan, derive_tp_plan
 from trainer.parallel.compile import apply_compile
+from trainer.parallel.ddp import apply_ddp
 from trainer.parallel.ep import apply_ep
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.mesh import Meshes
@@ -82,7 +83,9 @@ def parallelize(
     if compile_enabled:
         apply_compile(model, layers_attr=spec.layers_attr)
     # 4. FSDP/HSDP/DDP last: it wraps whatever the block has become.
-    if meshes.fsdp is not None:
+    if meshes.ddp is not None:
+        apply_ddp(model, meshes.ddp, reduce_dtype=torch_dtype(reduce_dtype))
+    elif meshes.fsdp is not None:
         apply_fsdp(
             model, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=torch_dtype(reduce_dtype),
             reshard_after_forward=parallelism.fsdp_reshard_after_forward, layers_attr=spec.layers_attr,
