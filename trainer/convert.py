@@ -17,10 +17,8 @@ those weights. Bad input prints one line and exits 2.
 """
 
 import argparse
-import dataclasses
 import json
 import logging
-import shutil
 import sys
 import time
 from dataclasses import dataclass

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from trainer.data import WindowLoader
 from trainer.dtensor import full_tensor
+from trainer.log import Progress
 from trainer.loss import count_label_tokens
 from trainer.model_parts import ModelParts, summed_loss
 from trainer.parallel.mesh import Meshes, all_reduce_sum
@@ -54,8 +55,9 @@ class Evaluator:
         total = torch.zeros((), device=device)
         tokens = torch.zeros((), dtype=torch.long, device=device)
         parts.chunks.eval()
+        lines = Progress("validation", self.num_batches, unit="global batches")
         try:
-            for _ in range(self.num_batches):
+            for batch in range(self.num_batches):
                 microbatches = [(x.to(device), y.to(device)) for x, y in self.loader.next_step()]
                 if parts.cp is not None:
                     microbatches = [(parts.cp.shard(x), parts.cp.shard(y)) for x, y in microbatches]
@@ -72,6 +74,7 @@ class Evaluator:
                         total += full_tensor(loss).float()
                     progress()
                 tokens += count_label_tokens(microbatches)
+                lines.update(batch + 1)
         finally:
             parts.chunks.train()
         # Losses live on the last pipeline stage only; tokens are counted by every stage alike.

@@ -27,7 +27,7 @@ INDEX = "model.safetensors.index.json"
 
 def _adapter(spec: ModelSpec):
     if spec.hf is None:
-        raise UserError(f"[checkpoint] model family {spec.name} has no Hugging Face mapping (ModelSpec.hf)")
+        raise UserError(f"[model] name: model family {spec.name} has no Hugging Face mapping (ModelSpec.hf)")
     return spec.hf
 
 
@@ -44,7 +44,7 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
     Every rank must call this: gathering a sharded parameter is a collective over its mesh.
     """
     hf = _adapter(spec)
-    aliases = spec.tied_weights if getattr(args, "tie_embeddings", False) else {}
+    aliases = spec.tied_aliases(args)
     tensors = {}
     for chunk in chunks:
         for name, value in chunk.state_dict().items():
@@ -193,7 +193,7 @@ def load_hf_(chunks, spec: ModelSpec, args, folder: Path, key: str = _KEY) -> No
     names the setting or argument that named the folder in errors."""
     hf = _adapter(spec)
     weight_map = _weight_map(folder, key)
-    aliases = spec.tied_weights if getattr(args, "tie_embeddings", False) else {}
+    aliases = spec.tied_aliases(args)
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             source = aliases.get(name, name)

@@ -107,8 +107,9 @@ class MetricsLogger:
         self.dp_degree, self.world_size = dp_degree, world_size
         self.peak = peak_flops(device, metrics.peak_flops) if enabled else 0.0
         self.total_steps = total_steps
-        self.writer = None
+        self.writer: _Writers | None = None
         self._tensorboard = enabled and metrics.enable_tensorboard
+        self._wandb = enabled and metrics.enable_wandb
         self._tb_root, self._config_toml = Path(dump_folder) / metrics.save_tb_folder, config_toml
         self._started = False
         self._run_start = time.monotonic()
@@ -124,12 +125,11 @@ class MetricsLogger:
             return
         self._started = True
         self._run_start = time.monotonic()
-        if not self._tensorboard:
+        if not (self._tensorboard or self._wandb):
             return
-        from torch.utils.tensorboard import SummaryWriter
-
         runs = sorted(p for p in self._tb_root.glob("*") if p.is_dir()) if self._tb_root.is_dir() else []
-        if resumed_step > 0 and runs:
+        continued = resumed_step > 0 and bool(runs)
+        if continued:
             self.tb_dir = runs[-1]
         else:
             stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -137,10 +137,18 @@ class MetricsLogger:
             n = 2
             while self.tb_dir.exists():  # two runs started within a second
                 self.tb_dir, n = self._tb_root / f"{stamp}-{n}", n + 1
-        self.writer = SummaryWriter(log_dir=str(self.tb_dir))
-        if self._config_toml:
-            self.writer.add_text("config", "```toml\n" + self._config_toml + "\n```", resumed_step)
-        logger.info("TensorBoard: %s (%s)", self.tb_dir, "continued" if resumed_step > 0 and runs else "new run")
+        self.tb_dir.mkdir(parents=True, exist_ok=True)
+        sinks = []
+        if self._tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            sinks.append(SummaryWriter(log_dir=str(self.tb_dir)))
+            if self._config_toml:
+                sinks[0].add_text("config", "```toml\n" + self._config_toml + "\n```", resumed_step)
+            logger.info("TensorBoard: %s (%s)", self.tb_dir, "continued" if continued else "new run")
+        if self._wandb:
+            sinks.append(WandbWriter(self.tb_dir, self._config_toml))
+        self.writer = _Writers(sinks)
 
     def should_log(self, step: int) -> bool:
         return step % self.log_freq == 0 or step == 1
@@ -227,3 +235,42 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class _Writers:
+    """Every enabled metrics sink (TensorBoard's SummaryWriter, ``WandbWriter``) behind SummaryWriter's methods."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        for sink in self.sinks:
+            sink.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class WandbWriter:
+    """Weights & Biases as a metrics sink: one W&B run per run folder (``run_dir``), continued by a resumed run
+    (its id is kept in ``run_dir/wandb_run_id``); the resolved config goes in as the run's config."""
+
+    def __init__(self, run_dir: Path, config_toml: str):
+        import tomllib
+        import uuid
+
+        import wandb
+
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        self.run = wandb.init(dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name,
+                              config=tomllib.loads(config_toml) if config_toml else None)
+        id_file.write_text(run_id + "\n")
+        logger.info("Weights & Biases: run %s in %s", run_id, run_dir)
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        self.run.log({name: value}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()

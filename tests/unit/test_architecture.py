@@ -2,7 +2,8 @@
 
 - ``trainer.config`` is a leaf: it imports nothing from the rest of ``trainer`` except the
   exception classes of ``trainer.errors`` (which import nothing).
-- No import cycles between modules (imports inside functions included).
+- No import cycles between modules (imports inside functions included), and the packages and
+  top-level modules import only from the layers below theirs (``LAYERS``, the order of the docs).
 - Planning a job builds the model on the meta device once, and a rank builds it once per chunk.
 """
 
@@ -80,3 +81,46 @@ def test_the_rule_sees_a_violation(tmp_path, monkeypatch):
         test_config_is_a_leaf()
     with pytest.raises(AssertionError):
         test_no_import_cycles()
+
+
+# The documented layer order (docs/architecture.md, "Layers"), lowest first: a unit (subpackage or
+# top-level module of trainer) may import units of lower layers only (and itself).
+LAYERS = [
+    ["trainer.errors"],
+    ["trainer.log", "trainer.dtypes", "trainer.dtensor", "trainer.env", "trainer.watchdog", "trainer.loss"],
+    ["trainer.config"],
+    ["trainer.models"],
+    ["trainer.parallel", "trainer.hf"],
+    ["trainer.data", "trainer.activation_memory"],
+    ["trainer.plan"],
+    ["trainer.dry_run", "trainer.model_parts", "trainer.checkpoint", "trainer.metrics", "trainer.optim",
+     "trainer.profiling"],
+    ["trainer.evaluate"],
+    ["trainer.train"],
+    ["trainer.convert", "trainer.launch"],
+    ["trainer.generate"],
+    ["trainer"],
+]
+
+
+def _unit(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    level = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    missing = sorted({_unit(m) for m in graph} - set(level))
+    assert not missing, f"units not placed in LAYERS: {missing}"
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if _unit(m) != _unit(t) and level[_unit(t)] >= level[_unit(m)])
+
+
+def test_units_import_only_lower_layers():
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_layer_check_catches_an_upward_import():
+    graph = {"trainer.models.llama": {"trainer.parallel.fsdp"}, "trainer.parallel.fsdp": set()}
+    assert layer_violations(graph) == ["trainer.models.llama -> trainer.parallel.fsdp"]
+    same_layer = {"trainer.parallel.tp": {"trainer.hf"}, "trainer.hf": set()}
+    assert layer_violations(same_layer) == ["trainer.parallel.tp -> trainer.hf"]

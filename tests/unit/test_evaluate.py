@@ -23,13 +23,21 @@ class KeepModel:
         self.model = parts.chunks[0]
 
 
-def test_validation_loss_is_the_cross_entropy_of_the_held_out_windows(tiny_args):
+def test_validation_loss_is_the_cross_entropy_of_the_held_out_windows(tiny_args, monkeypatch, caplog):
     overrides = [*tiny_args, "--training.steps", "4", "--validation.enable", "--validation.split", "train[80%:]",
                  "--validation.freq", "2", "--validation.steps", "2"]
     config = load_config(overrides=overrides)
     keep = KeepModel()
-    result = train_mod.main(config, observer=keep)
+    import functools
+
+    import trainer.evaluate
+    # progress lines due at once (a real evaluation shows its first after 10 s, then one per 30 s)
+    monkeypatch.setattr(trainer.evaluate, "Progress", functools.partial(trainer.evaluate.Progress, first=0, every=0))
+    with caplog.at_level("INFO", logger="trainer.progress"):
+        result = train_mod.main(config, observer=keep)
     assert sorted(result.eval_losses) == [2, 4]  # every freq steps (and after the last)
+    progress = [r.getMessage().split(" after ")[0] for r in caplog.records if r.name == "trainer.progress"]
+    assert progress == ["validation: 1/2 global batches", "validation: 2/2 global batches"] * 2
     # Independently: the held-out documents (the split's slice of the bundled list), [BOS text EOS]
     # each, concatenated, cut into windows of seq_len + 1; two global batches of them.
     docs = bundled_documents()

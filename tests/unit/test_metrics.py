@@ -75,3 +75,60 @@ def test_mfu_on_cpu_is_against_a_measured_matmul_rate_unless_a_peak_is_set(monke
     silent = MetricsLogger(Metrics(enable_tensorboard=False), dump_folder="unused", enabled=False,
                            device=torch.device("cpu"), flops_per_token=1e4, dp_degree=1, world_size=1)
     assert silent.peak == 0.0
+
+
+class FakeWandb:
+    """Stands in for the wandb package: records init arguments, logged values and finish."""
+
+    def __init__(self):
+        self.inits, self.logged, self.finished = [], [], 0
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        fake = self
+
+        class Run:
+            def log(self, values, step):
+                fake.logged.append((step, values))
+
+            def finish(self):
+                fake.finished += 1
+
+        return Run()
+
+
+def test_weights_and_biases_gets_every_scalar_and_a_resume_continues_its_run(monkeypatch, tmp_path):
+    import sys
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(metrics_mod, "measured_cpu_peak", lambda: 1e12)
+
+    def run(resumed_step):
+        logger = MetricsLogger(Metrics(enable_wandb=True, enable_tensorboard=False), dump_folder=str(tmp_path),
+                               enabled=True, device=torch.device("cpu"), flops_per_token=1.0, dp_degree=1,
+                               world_size=1, config_toml="[training]\nsteps = 3\n")
+        logger.start(resumed_step)
+        logger.log(StepStats(resumed_step + 1, 5.0, 1.0, 1e-3), tokens=100)
+        logger.log_validation(resumed_step + 1, 4.5, 100, 0.1)
+        logger.close()
+        return logger.tb_dir
+
+    first = run(0)
+    assert fake.inits[0]["dir"] == str(first) and fake.inits[0]["config"] == {"training": {"steps": 3}}
+    logged = {name for step, values in fake.logged if step == 1 for name in values}
+    assert {"loss", "grad_norm", "lr", "tokens_per_second", "validation/loss", "validation/perplexity"} <= logged
+    assert run(1) == first and fake.inits[1]["id"] == fake.inits[0]["id"]  # the resumed run continues it
+    assert run(0) != first and fake.inits[2]["id"] != fake.inits[0]["id"] and fake.finished == 3  # a new W&B run
+
+
+def test_weights_and_biases_without_the_package_is_one_line_naming_the_key(monkeypatch):
+    import importlib.util
+
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"\[metrics\] enable_wandb: the wandb package is not installed"):
+        load_config(overrides=["--metrics.enable_wandb"])

@@ -326,3 +326,41 @@ def test_prepare_into_a_path_that_cannot_hold_it_is_one_line(tok, tmp_path, wher
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]  # nothing left behind
     if where != "impossible":
         assert (out.read_text() if where == "file" else (out / "notes.txt").read_text()) == "mine"
+
+
+def test_long_phases_log_a_progress_line_every_half_minute(caplog):
+    """Progress lines: none before 10 s, then at most one per 30 s, with the share done and the time left derived
+    from the rate so far (25 of 100 after 12 s: 36 s left)."""
+    import logging
+
+    from trainer.log import Progress
+
+    now = [0.0]
+    progress = Progress("validation", 100, unit="global batches", clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="trainer.progress"):
+        for done, t in ((5, 9.9), (25, 12.0), (30, 41.9), (50, 42.0), (60, 50.0)):
+            now[0] = t
+            progress.update(done)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["validation: 25/100 global batches after 12 s, about 36 s left",
+                     "validation: 50/100 global batches after 42 s, about 42 s left"]
+
+
+def test_preparing_without_a_terminal_logs_progress_lines_instead_of_a_bar(tok, tmp_path, caplog, monkeypatch):
+    import logging
+
+    import trainer.log
+
+    ticks = iter(range(0, 10_000, 20))  # every clock reading 20 s later than the last
+    monkeypatch.setattr(trainer.log.Progress, "__init__", _with_clock(trainer.log.Progress.__init__, ticks))
+    with caplog.at_level(logging.INFO, logger="trainer.progress"):
+        prepare_shards(DOCS * 300, tok, tmp_path / "p", source="docs", show_progress=False)  # 12,000 documents
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and all(line.startswith("tokenizing: ") and " documents after " in line and " tokens)" in line
+                         for line in lines)
+
+
+def _with_clock(init, ticks):
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, clock=lambda: float(next(ticks)), **kwargs)
+    return wrapped

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 
+CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
+"""The key of a custom schedule's action file (``pipeline_parallel_schedule = "csv"``)."""
+
+
 @dataclass(frozen=True)
 class ScheduleTraits:
     torch_class: str

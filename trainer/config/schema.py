@@ -306,7 +306,10 @@ class Metrics:
     enable_tensorboard: bool = True
     """Write TensorBoard event files."""
     save_tb_folder: str = "tb"
-    """TensorBoard folder, relative to the dump folder."""
+    """TensorBoard folder, relative to the dump folder (each run writes into its own time-stamped subfolder)."""
+    enable_wandb: bool = False
+    """Also send the metrics to Weights & Biases (needs the wandb package; project, entity and mode from the WANDB_*
+    environment variables, e.g. WANDB_MODE=offline); its files go into the run's folder under save_tb_folder."""
     peak_flops: Annotated[float, NonNegative] = 0.0
     """Peak FLOP/s of one device for MFU; 0 = look up known accelerators, or on CPU measure a float32 matmul at start."""
 

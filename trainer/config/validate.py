@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config.schedules import SCHEDULES
+from trainer.config.schedules import CSV_KEY, SCHEDULES
 from trainer.config.schema import CHECKPOINT_PARTS, MAX_COUNT, JobConfig, LRScheduler, Training
 from trainer.errors import ConfigError, not_found
 
@@ -28,6 +28,15 @@ def validate_config(config: JobConfig) -> None:
     _check_folders(config)
     _check_data(config)
     _check_profiling(config)
+    _check_metrics(config)
+
+
+def _check_metrics(config: JobConfig) -> None:
+    import importlib.util
+
+    if config.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("[metrics] enable_wandb: the wandb package is not installed (pip install wandb),"
+                          " or set enable_wandb = false")
 
 
 def _check_profiling(config: JobConfig) -> None:
@@ -116,7 +125,6 @@ def _check_parallelism(config: JobConfig) -> None:
         check_batch(t, p.data_parallel_replicate_degree * p.data_parallel_shard_degree)
 
 
-_CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
 
 
 def _check_csv_syntax(path: str) -> None:
@@ -135,14 +143,14 @@ def read_csv_cells(path: str) -> list[list[str]]:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not part of a cell
             rows = [[cell.strip() for cell in row] for row in csv.reader(f)]
     except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise ConfigError(f"{_CSV_KEY}: cannot read {path}: {e}") from None
+        raise ConfigError(f"{CSV_KEY}: cannot read {path}: {e}") from None
     if not any(any(row) for row in rows):
-        raise ConfigError(f"{_CSV_KEY}: {path} is empty; one row of actions per pipeline rank is needed")
+        raise ConfigError(f"{CSV_KEY}: {path} is empty; one row of actions per pipeline rank is needed")
     for r, row in enumerate(rows):
         for cell in row:
             if cell and not re.fullmatch(r"\d+[FBIW]\d+", cell):
                 raise ConfigError(
-                    f"{_CSV_KEY}: {path} row {r + 1}: {cell!r} is not an action like 0F1 (stage, F/B/I/W, microbatch)"
+                    f"{CSV_KEY}: {path} row {r + 1}: {cell!r} is not an action like 0F1 (stage, F/B/I/W, microbatch)"
                 )
     return rows
 
@@ -213,7 +221,7 @@ def output_folders(config: JobConfig) -> list[tuple[str, str, Path]]:
     out = [("[job] dump_folder", config.job.dump_folder, dump)]
     if config.checkpoint.enable:
         out.append(("[checkpoint] folder", config.checkpoint.folder, dump / config.checkpoint.folder))
-    if config.metrics.enable_tensorboard:
+    if config.metrics.enable_tensorboard or config.metrics.enable_wandb:
         out.append(("[metrics] save_tb_folder", config.metrics.save_tb_folder, dump / config.metrics.save_tb_folder))
     prof = config.profiling
     if prof.enable_profiling or (prof.pipeline_timeline_steps and config.parallelism.pipeline_parallel_degree > 1):

@@ -30,7 +30,6 @@ from trainer.errors import UserError
 logger = logging.getLogger(__name__)
 
 MIX_BLOCK = 10_000
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:

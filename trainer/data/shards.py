@@ -241,11 +241,15 @@ def prepare_shards(texts: Iterable[str], tokenizer, out: str | Path, *, source: 
 
 
 def _progress(show: bool | None):
-    """A callable (documents, tokens) -> None drawing a progress line on stderr; (None, None) ends it."""
+    """A callable (documents, tokens) -> None showing progress: a bar on stderr when it is a terminal (or ``show``),
+    else a log line every half minute; (None, None) ends it."""
     if show is None:
         show = sys.stderr.isatty()
-    if not show:
-        return lambda docs, tokens: None
+    if not show:  # a log file: a line every half minute instead of a bar
+        from trainer.log import Progress
+
+        lines = Progress("tokenizing", unit="documents")
+        return lambda docs, tokens: None if docs is None else lines.update(docs, f"{tokens:,} tokens")
     from tqdm import tqdm
 
     bar = tqdm(unit=" docs", desc="tokenizing", file=sys.stderr)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from trainer.dtensor import is_dtensor, local_tensor
+from trainer.models.tied import find_tied, retie_
 
 InitFn = Callable[[torch.Tensor, torch.Generator], None]
 
@@ -46,8 +47,6 @@ def init_param_(param: torch.Tensor, name: str, seed: int, fn: InitFn) -> None:
 
 def materialize_(model: torch.nn.Module, device: torch.device, seed: int) -> None:
     """Allocate a meta-device model (plain, TP- or FSDP-sharded) on ``device`` and initialise it."""
-    from trainer.parallel.tied import find_tied, retie_
-
     tied = find_tied(model)
     model.to_empty(device=device)
     retie_(model, tied)  # to_empty allocates shared parameters once per owner

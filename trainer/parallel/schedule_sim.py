@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
+from trainer.config.schedules import CSV_KEY
 from trainer.errors import ConfigError
 
 # Relative compute cost of an action on one stage: backward is twice forward; a split
@@ -39,7 +40,6 @@ def check_schedule(schedule: str, pp: int, n_microbatches: int, stages_per_rank:
         ) from None
 
 
-_CSV_KEY = "[parallelism] pipeline_parallel_schedule_csv"
 KEY_STAGES = ("as many as the CSV uses, unless [parallelism] pipeline_parallel_split_points or"
               " pipeline_parallel_layers_per_stage set them")
 
@@ -49,7 +49,7 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
     run on this job: its stages on the ranks that hold them (``placement[r]``: rank r's stages), every
     microbatch of every stage run forward once and backward once (B, or I then W), and an order in
     which no rank waits forever for another."""
-    key = _CSV_KEY
+    key = CSV_KEY
     rows = [[(k, s, m) for s, k, m in row] for row in csv_rows(path)]
     pp, num_stages = len(placement), sum(len(stages) for stages in placement)
     if len(rows) != pp:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.models.registry import model_blocks
-from trainer.parallel.tied import find_tied, retie_
+from trainer.models.tied import find_tied, retie_
 
 if TYPE_CHECKING:  # DTensor is imported where it is used (a run without it starts ~0.5 s sooner)
     from torch.distributed.tensor.parallel import ParallelStyle
