@@ -1,13 +1,4 @@
-"""Profiling: torch.profiler traces, CUDA memory snapshots, and measured pipeline timelines.
-
-``StepProfiler`` (``[profiling] enable_profiling``, torchtitan's keys): torch.profiler records the
-last ``profiler_active`` steps of every ``profile_freq`` steps (after ``profiler_warmup`` untraced
-ones) and writes ``<dump>/<save_traces_folder>/iteration_<N>/rank<R>_trace.json``, a Chrome trace
-of that rank's CPU operators (and device kernels on CUDA). With ``enable_memory_snapshot`` on
-CUDA, allocations are recorded from the start and a snapshot is dumped every ``profile_freq``
-steps to ``<dump>/<save_memory_snapshot_folder>/iteration_<N>/rank<R>_memory_snapshot.pickle``.
-
-Measured pipeline timelines: when each schedule action ran on each rank, as a Chrome/Perfetto trace.
+"""Measured pipeline timelines: when each schedule action ran on each rank, as a Chrome/Perfetto trace.
 
 For the steps in ``[profiling] pipeline_timeline_steps``, every rank records the start and end of
 each compute action its PipelineStages run (forward F, full backward B, input gradient I,
@@ -28,71 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.config.schema import Profiling
-
 logger = logging.getLogger(__name__)
 
 # PipelineStage methods and the action each is; a backward that is not full is the input gradient.
 _METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-
-class StepProfiler:
-    """torch.profiler over chosen steps, and CUDA memory snapshots; call ``step(n)`` after each step."""
-
-    def __init__(self, profiling: Profiling, dump_folder: str, *, rank: int, device: torch.device):
-        self.cfg, self.rank, self.device = profiling, rank, device
-        self.traces = Path(dump_folder) / profiling.save_traces_folder
-        self.snapshots = Path(dump_folder) / profiling.save_memory_snapshot_folder
-        self.profiler = None
-        self.memory = profiling.enable_memory_snapshot and device.type == "cuda"
-        if profiling.enable_memory_snapshot and not self.memory:
-            logger.warning("[profiling] enable_memory_snapshot needs a CUDA device; ignored on %s", device.type)
-        if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-        if profiling.enable_profiling:
-            f, warmup, active = profiling.profile_freq, profiling.profiler_warmup, profiling.profiler_active
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(
-                activities=activities, on_trace_ready=self._save_trace,
-                schedule=torch.profiler.schedule(wait=f - warmup - active, warmup=warmup, active=active),
-            )
-            self.profiler.start()
-            self.step_num = 0
-
-    def _save_trace(self, prof) -> None:
-        folder = self.traces / f"iteration_{self.step_num}"
-        folder.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(folder / f"rank{self.rank}_trace.json"))
-        # Where the step's time went, without opening the trace: operators by their own time.
-        # A diagnostic must not end the run: a failed summary is logged, the trace stays.
-        by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        ops = folder / f"rank{self.rank}_ops.txt"
-        try:
-            ops.write_text(prof.key_averages().table(sort_by=by, row_limit=30, max_name_column_width=70))
-        except Exception as e:  # noqa: BLE001 (anything the summary raises)
-            logger.warning("operator summary of step %d not written: %s", self.step_num, e)
-            ops = "not written"
-        logger.info("profiler trace of step %d: %s (operators by self time: %s)", self.step_num,
-                    folder / f"rank{self.rank}_trace.json", ops)
-
-    def step(self, step: int) -> None:
-        if self.profiler is not None:
-            self.step_num = step
-            self.profiler.step()
-        if self.memory and step % self.cfg.profile_freq == 0:
-            folder = self.snapshots / f"iteration_{step}"
-            folder.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(folder / f"rank{self.rank}_memory_snapshot.pickle"))
-
-    def stop(self) -> None:
-        if self.profiler is not None:
-            self.profiler.stop()
-            self.profiler = None
-        if self.memory:
-            torch.cuda.memory._record_memory_history(enabled=None)
-            self.memory = False
 
 
 class PipelineTimeline:
@@ -293,80 +223,3 @@ def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int,
                       ' font-family="sans-serif" font-size="10">',
                       f'<rect x="0" y="0" width="{total_width}" height="{height}" fill="white"/>',
                       *out, "</svg>"]) + "\n"
-
-
-class SavedActivationMeter:
-    """What autograd keeps for backward during one step, in bytes: the live total's peak.
-
-    A saved-tensor hook sees every tensor an operation saves; each storage counts once however
-    many operations save it or views of it, from the first save until autograd drops its last
-    reference (after the backward that used it). Parameters and buffers (also gathered FSDP
-    parameters and their transposed views) are not activations and are left out. Tensors kept
-    by activation checkpointing's own frames are invisible to the hook, so under AC this counts
-    only what the non-checkpointed code saves. Under autocast (bf16 without FSDP), the low-precision
-    copies of the weights that matmuls save are not parameters and are counted (an overcount by up to
-    the model's bf16 size); CPU runs in float32 have no such copies.
-    """
-
-    def __init__(self, chunks) -> None:
-        self._exclude = {_local(t).untyped_storage().data_ptr()
-                         for chunk in chunks for t in [*chunk.parameters(), *chunk.buffers()]}
-        self._live: dict[int, list[int]] = {}  # storage address -> [references, bytes]
-        self.current = self.peak = 0
-
-    def __enter__(self) -> "SavedActivationMeter":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _Held.unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, tensor: torch.Tensor):
-        local = _local(tensor)
-        if isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter):
-            return tensor
-        storage = local.untyped_storage()
-        address = storage.data_ptr()
-        if address == 0 or address in self._exclude:  # empty, or a parameter/buffer of the model
-            return tensor
-        entry = self._live.setdefault(address, [0, storage.nbytes()])
-        if entry[0] == 0:
-            self.current += entry[1]
-            self.peak = max(self.peak, self.current)
-        entry[0] += 1
-        # detached: a saved output keeps its grad_fn, which holds this object: a cycle through autograd's
-        # C++ graph that no collector sees (seen to keep split-backward schedules' tensors alive)
-        return _Held(tensor.detach(), self, address)
-
-    def _release(self, address: int) -> None:
-        entry = self._live[address]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self._live[address]
-
-
-class _Held:
-    """A saved tensor as autograd stores it while metered; dropping it releases its bytes."""
-
-    __slots__ = ("tensor", "meter", "address")
-
-    def __init__(self, tensor: torch.Tensor, meter: SavedActivationMeter, address: int) -> None:
-        self.tensor, self.meter, self.address = tensor, meter, address
-
-    @staticmethod
-    def unpack(held):
-        return held.tensor if isinstance(held, _Held) else held
-
-    def __del__(self) -> None:
-        self.meter._release(self.address)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The plain tensor holding the data of a DTensor or another wrapper subclass (e.g. a collective's result)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    while is_traceable_wrapper_subclass(tensor):
-        tensor = getattr(tensor, tensor.__tensor_flatten__()[0][0])
-    return tensor
