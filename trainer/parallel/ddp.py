@@ -6,8 +6,8 @@ all-reduces each bucket asynchronously, so communication overlaps the rest of ba
 ``gradient_as_bucket_view`` the gradients are the buckets (no copies). Every other layout with
 replicas (HSDP, DDP x TP, DDP x CP, DDP under a pipeline) uses FSDP2 on a (replicate, shard) mesh,
 which accepts DTensor parameters and pipeline stages; on CPU (gloo) it waits for each block's
-all-reduce inside backward and copies the parameters in and out each step, 10-13% of a DDP 2
-step at the peer benchmark's shape (docs/performance.md).
+all-reduce inside backward and copies the parameters in and out each step: at the peer
+benchmark's shape its DDP 2 step was 9% longer (docs/performance.md, "Data-parallel overhead").
 
 Parameter names are unchanged (no wrapper module), so checkpoints move freely between layouts.
 Seam: ``torch.distributed._composable.replicate`` (private; checked on torch 2.13.0).
