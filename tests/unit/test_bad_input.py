@@ -20,27 +20,27 @@ from trainer.errors import ConfigError, UserError, one_line
 from trainer.optim import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
-O = "--model.overrides."
+OVR = "--model.overrides."
 MOE = ["--model.name", "moe", "--model.flavor", "debugmodel"]
 GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny", "--training.seq_len", "32"]
 
 BAD = [
     # model args the family cannot build (each names the [model.overrides] key)
-    ([O + "dim", "-64"], "[model.overrides] dim=-64: must be >= 1"),
-    ([O + "n_heads", "0"], "[model.overrides] n_heads=0: must be >= 1"),
-    ([O + "n_heads", "7"], "[model.overrides] n_heads=7: must divide dim=256"),
-    ([O + "n_kv_heads", "3"], "[model.overrides] n_kv_heads=3: must divide n_heads=16"),
-    ([O + "n_kv_heads", "32"], "[model.overrides] n_kv_heads=32: must divide n_heads=16"),
-    ([O + "multiple_of", "0"], "[model.overrides] multiple_of=0: must be >= 1"),
-    ([O + "ffn_dim_multiplier", "abc"], "[model.overrides] ffn_dim_multiplier: got 'abc', expected float"),
-    ([O + "ffn_dim_multiplier", "-2.0"], "[model.overrides] ffn_dim_multiplier=-2.0: must be > 0"),
-    ([O + "n_layers", "0"], "[model.overrides] n_layers=0: must be >= 1"),
-    ([O + "n_layers", "-1"], "[model.overrides] n_layers=-1: must be >= 1"),
-    ([O + "vocab_size", "0"], "[model.overrides] vocab_size=0: must be >= 1"),
-    ([O + "norm_eps", "-1.0"], "[model.overrides] norm_eps=-1.0: must be > 0"),
-    ([O + "n_heads", "256"], "head size dim / n_heads = 1 must be even"),
+    ([OVR + "dim", "-64"], "[model.overrides] dim=-64: must be >= 1"),
+    ([OVR + "n_heads", "0"], "[model.overrides] n_heads=0: must be >= 1"),
+    ([OVR + "n_heads", "7"], "[model.overrides] n_heads=7: must divide dim=256"),
+    ([OVR + "n_kv_heads", "3"], "[model.overrides] n_kv_heads=3: must divide n_heads=16"),
+    ([OVR + "n_kv_heads", "32"], "[model.overrides] n_kv_heads=32: must divide n_heads=16"),
+    ([OVR + "multiple_of", "0"], "[model.overrides] multiple_of=0: must be >= 1"),
+    ([OVR + "ffn_dim_multiplier", "abc"], "[model.overrides] ffn_dim_multiplier: got 'abc', expected float"),
+    ([OVR + "ffn_dim_multiplier", "-2.0"], "[model.overrides] ffn_dim_multiplier=-2.0: must be > 0"),
+    ([OVR + "n_layers", "0"], "[model.overrides] n_layers=0: must be >= 1"),
+    ([OVR + "n_layers", "-1"], "[model.overrides] n_layers=-1: must be >= 1"),
+    ([OVR + "vocab_size", "0"], "[model.overrides] vocab_size=0: must be >= 1"),
+    ([OVR + "norm_eps", "-1.0"], "[model.overrides] norm_eps=-1.0: must be > 0"),
+    ([OVR + "n_heads", "256"], "head size dim / n_heads = 1 must be even"),
     # sizes that would exhaust memory: refused by arithmetic before anything is allocated
-    ([O + "dim", "100000000"], "GiB per device for weights, gradients and Adam state"),
+    ([OVR + "dim", "100000000"], "GiB per device for weights, gradients and Adam state"),
     (["--training.local_batch_size", "1000000000"], "[training] local_batch_size=1000000000, seq_len=256: the logits"),
     (["--training.seq_len", "1000000000"], "seq_len=1000000000: the logits of one microbatch"),
     (["--training.seq_len", str(2**63 - 1)], "the logits of one microbatch"),
@@ -64,11 +64,11 @@ BAD = [
     (["--checkpoint.exclude_from_loading", "model,optimizer,dataloader,train_state,rng"], "every part is excluded"),
     (["--checkpoint.exclude_from_loading", "model"], "'model' without 'optimizer' would load the optimizer state"),
     # ranges of the mixture-of-experts family, and the key each error names (issue 35)
-    (MOE + [O + "n_dense_layers", "4"], "[model.overrides] n_dense_layers=4: must be < n_layers=4"),
-    (MOE + [O + "route_scale", "1e30"], "[model.overrides] route_scale=1e+30: must be <= 100"),
-    (MOE + [O + "aux_loss_coef", "1e30"], "[model.overrides] aux_loss_coef=1e+30: must be <= 100"),
-    (MOE + [O + "head_dim_override", "3"], "[model.overrides] head_dim_override=3: the head size 3 must be even"),
-    (MOE + [O + "vocab_size", "10"], "[model.overrides] vocab_size=10: a tiktoken tokenizer needs the 256 byte tokens"),
+    (MOE + [OVR + "n_dense_layers", "4"], "[model.overrides] n_dense_layers=4: must be < n_layers=4"),
+    (MOE + [OVR + "route_scale", "1e30"], "[model.overrides] route_scale=1e+30: must be <= 100"),
+    (MOE + [OVR + "aux_loss_coef", "1e30"], "[model.overrides] aux_loss_coef=1e+30: must be <= 100"),
+    (MOE + [OVR + "head_dim_override", "3"], "[model.overrides] head_dim_override=3: the head size 3 must be even"),
+    (MOE + [OVR + "vocab_size", "10"], "[model.overrides] vocab_size=10: a tiktoken tokenizer needs the 256 byte tokens"),
     (["--profiling.activation_memory_steps", "0"], "[profiling] activation_memory_steps: 0 is not a step"),
     (["--profiling.activation_memory_steps", str(2**63)], "[profiling] activation_memory_steps"),
     # error lines that name the right thing (issue 35)
@@ -178,7 +178,7 @@ def test_help_piped_into_head_ends_quietly():
 
 
 def test_entry_point_prints_one_line_for_a_model_error():
-    proc = run_cli([sys.executable, "train.py", *TINY_MODEL, O + "n_kv_heads", "3", "--print-config"])
+    proc = run_cli([sys.executable, "train.py", *TINY_MODEL, OVR + "n_kv_heads", "3", "--print-config"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "error: [model.overrides] n_kv_heads=3: must divide n_heads=4 (grouped-query attention)"
 
