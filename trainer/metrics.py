@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from trainer.config.schema import Metrics
+from trainer.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -264,8 +265,13 @@ class WandbWriter:
 
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
-        self.run = wandb.init(dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name,
-                              config=tomllib.loads(config_toml) if config_toml else None)
+        try:
+            self.run = wandb.init(dir=str(run_dir), id=run_id, resume="allow", name=run_dir.name,
+                                  config=tomllib.loads(config_toml) if config_toml else None)
+        except Exception as e:  # noqa: BLE001 (not logged in, no network, a bad WANDB_* value: all the user's to fix)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"[metrics] enable_wandb: Weights & Biases did not start: {first} (log in with"
+                            " `wandb login`, or set WANDB_MODE=offline)") from None
         id_file.write_text(run_id + "\n")
         logger.info("Weights & Biases: run %s in %s", run_id, run_dir)
 

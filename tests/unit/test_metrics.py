@@ -132,3 +132,23 @@ def test_weights_and_biases_without_the_package_is_one_line_naming_the_key(monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"\[metrics\] enable_wandb: the wandb package is not installed"):
         load_config(overrides=["--metrics.enable_wandb"])
+
+
+def test_weights_and_biases_that_cannot_start_is_one_line_naming_the_key(monkeypatch, tmp_path):
+    import sys
+
+    from trainer.errors import UserError
+
+    fake = FakeWandb()
+
+    def refuse(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)\nmore detail")
+
+    fake.init = refuse
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(metrics_mod, "measured_cpu_peak", lambda: 1e12)
+    logger = MetricsLogger(Metrics(enable_wandb=True, enable_tensorboard=False), dump_folder=str(tmp_path),
+                           enabled=True, device=torch.device("cpu"), flops_per_token=1.0, dp_degree=1, world_size=1)
+    with pytest.raises(UserError, match=r"^\[metrics\] enable_wandb: Weights & Biases did not start: api_key not"
+                                        r" configured \(no-tty\) \(log in"):
+        logger.start(0)

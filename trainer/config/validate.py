@@ -125,8 +125,6 @@ def _check_parallelism(config: JobConfig) -> None:
         check_batch(t, p.data_parallel_replicate_degree * p.data_parallel_shard_degree)
 
 
-
-
 def _check_csv_syntax(path: str) -> None:
     """Every cell of a schedule CSV is an action like 0F1 (stage, F/B/I/W, microbatch) or empty (idle);
     whether its stages and microbatches fit the job is checked when the job is planned."""

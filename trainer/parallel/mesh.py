@@ -109,7 +109,7 @@ class Meshes:
         same parameters and their gradients (each from its part of the sequences) must be summed,
         which FSDP's reduce-scatter does; sharding over them too saves memory.
         """
-        if self.world is None or self.dims.dp * self.dims.cp == 1 or self.ddp is not None:
+        if self.world is None or self.dims.dp * self.dims.cp == 1 or self.dims.plain_ddp:
             return None
         shard = "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
         if self.dims.dp_replicate > 1:
