@@ -42,8 +42,7 @@ if plan.dims.world_size > 1:
 trainer = build_trainer(plan, device, False)
 x, y = trainer.loader.next_step()[0]
 x, y = x.to(device), y.to(device)
-if trainer.parts.cp is not None:
-    x, y = trainer.parts.cp.shard(x), trainer.parts.cp.shard(y)
+[(x, y)] = trainer.parts.shard_batch([(x, y)])
 storages = {{}}
 def pack(t):
     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()

@@ -59,8 +59,7 @@ class Evaluator:
         try:
             for batch in range(self.num_batches):
                 microbatches = [(x.to(device), y.to(device)) for x, y in self.loader.next_step()]
-                if parts.cp is not None:
-                    microbatches = [(parts.cp.shard(x), parts.cp.shard(y)) for x, y in microbatches]
+                microbatches = parts.shard_batch(microbatches)
                 for inputs, labels in microbatches:
                     kwargs = model_kwargs(inputs)
                     with step_context():

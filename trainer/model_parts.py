@@ -2,6 +2,7 @@
 materialised, and (with pipelining) the schedule that runs them.
 """
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -11,14 +12,13 @@ from torch import nn
 
 from trainer import loss as loss_mod
 from trainer.dtensor import local_tensor
+from trainer.dtypes import torch_dtype
 from trainer.models.init import materialize_
-from trainer.parallel.cp import ContextParallel, apply_cp
-from trainer.parallel.ddp import set_gradient_sync
-from trainer.parallel.ep import expert_modules
 from trainer.parallel.mesh import Meshes
-from trainer.parallel.parallelize import parallelize
+from trainer.parallel.parallelize import build_techniques
 from trainer.parallel.pipeline import build_chunk, build_schedule, manual_stages, trace_pipeline, traced_stages
 from trainer.parallel.pipeline_split import PipelinePlan
+from trainer.parallel.technique import ChunkSetup, Technique
 from trainer.plan import JobPlan
 
 logger = logging.getLogger(__name__)
@@ -43,14 +43,12 @@ class ModelParts:
     """Pair of pipeline ranks holding the two copies of a tied weight (None: same rank or untied)."""
     tied: list[nn.Parameter] = field(default_factory=list)
     """This rank's copies of the tied weight (0, 1 or 2 of them) whose gradients are summed."""
-    cp: ContextParallel | None = None
-    """This rank's share of each sequence under context parallelism."""
+    techniques: list[Technique] = field(default_factory=list)
+    """The parallel techniques this rank's job uses, in composition order (trainer.parallel.parallelize)."""
     after_step_hook: object | None = None
     """The family's ``ModelSpec.after_step`` (None: nothing to do after an optimizer step)."""
     step_metrics: dict[str, float] = field(default_factory=dict)
     """What ``after_step`` returned for this rank's chunks at the last step (e.g. MoE expert loads)."""
-    expert_params: list[nn.Parameter] = field(default_factory=list)
-    """Parameters sharded over the expert-parallel ranks (their gradients are averaged over fewer ranks)."""
     stage_batch: int | None = None
     """Sequences a chunk accepts per call when it is a traced stage (specialised to one microbatch); None: any."""
 
@@ -66,8 +64,42 @@ class ModelParts:
     def gradient_sync(self, enabled: bool) -> None:
         """Whether the next backward reduces gradients over the data-parallel ranks (DDP's reducer; FSDP
         always does). Off for all but the last of a step's microbatches: they accumulate locally."""
-        for chunk in self.chunks:
-            set_gradient_sync(chunk, enabled)
+        for technique in self.techniques:
+            for chunk in self.chunks:
+                technique.gradient_sync(chunk, enabled)
+
+    def shard_batch(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's part of each (inputs, labels) microbatch (the whole of it unless a technique splits
+        sequences, as context parallelism does)."""
+        for technique in self.techniques:
+            microbatches = [(technique.shard(x), technique.shard(y)) for x, y in microbatches]
+        return microbatches
+
+    def step_context(self) -> contextlib.ExitStack:
+        """Every technique's context around a microbatch's forward and backward (loss parallelism, context-parallel
+        attention)."""
+        stack = contextlib.ExitStack()
+        for technique in self.techniques:
+            if (context := technique.step_context()) is not None:
+                stack.enter_context(context)
+        return stack
+
+    @property
+    def casts_parameters(self) -> bool:
+        """Whether a technique (FSDP) casts parameters to the compute dtype, so that autocast is not needed."""
+        return any(t.casts_parameters for t in self.techniques)
+
+    def after_first_step(self) -> None:
+        for technique in self.techniques:
+            technique.after_first_step()
+
+    def gradient_averages(self, default: int) -> list[tuple[int, list[nn.Parameter]]]:
+        """(ranks, parameters) groups by the number of ranks FSDP/DDP averaged their gradients over: ``default``
+        unless a technique averaged its own over another number (expert parallelism)."""
+        own = [g for t in self.techniques if (g := t.own_gradient_average(self.chunks)) is not None]
+        claimed = {id(p) for params, _ in own for p in params}
+        rest = [p for p in self.chunks.parameters() if id(p) not in claimed]
+        return [(default, rest)] + [(ranks, params) for params, ranks in own]
 
     @property
     def has_first(self) -> bool:
@@ -137,28 +169,20 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
                     "tracer" if plan.traced else "manual", stage_ids, pipeline.split_points(spec.layers_attr))
     parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids, after_step_hook=spec.after_step,
                        stage_batch=config.parallelism.pipeline_parallel_microbatch_size if plan.traced else None)
-    if meshes.cp is not None:
-        parts.cp = ContextParallel(meshes.cp.get_group(), plan.dims.cp, meshes.world.get_local_rank("cp"),
-                                   config.training.seq_len)
+    parts.techniques = build_techniques(ChunkSetup(
+        meshes=meshes, spec=spec, parallelism=config.parallelism, activation_checkpoint=config.activation_checkpoint,
+        tp_plan=plan.tp_plan, seq_len=config.training.seq_len, param_dtype=plan.compute_dtype(device),
+        reduce_dtype=torch_dtype(config.training.mixed_precision_reduce), compile_enabled=config.compile.enable,
+        pipelined=pipeline is not None))
     for chunk in chunks:
         if traced is not None:
             chunk.to(device)  # already initialised; FSDP shards what it finds
-        parallelize(
-            chunk, spec, meshes,
-            tp_plan=plan.tp_plan,
-            parallelism=config.parallelism,
-            activation_checkpoint=config.activation_checkpoint,
-            compile_enabled=config.compile.enable,
-            param_dtype=plan.compute_dtype(device),
-            reduce_dtype=config.training.mixed_precision_reduce,
-            pipelined=pipeline is not None,
-        )
-        if meshes.ep is not None:
-            parts.expert_params += [p for m in expert_modules(chunk) for p in m.experts.parameters()]
+        for technique in parts.techniques:
+            technique.apply(chunk)
         if traced is None:
             materialize_(chunk, device, config.debug.seed)
-        if parts.cp is not None:  # after materialising: init recomputes the rotary table
-            apply_cp(chunk, parts.cp.positions, spec.cp_buffers)
+        for technique in parts.techniques:
+            technique.after_materialize(chunk)
         chunk.train()
     if pipeline is not None and plan.tied_aliases:
         # Across stages a tied weight is two parameters with equal initial values (init is keyed

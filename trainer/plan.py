@@ -11,7 +11,7 @@ recomputes what it holds.
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,11 @@ from trainer.errors import ConfigError
 from trainer.models import ModelSpec, get_model_spec, import_model_modules, model_blocks, resolve_model_args
 from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
-from trainer.parallel.parallelize import resolve_tp_plan
+from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs
 from trainer.parallel.pipeline_cost import PartCosts, flop_costs, part_flops, read_cost_file, calibrated_costs
 from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
+from trainer.parallel.technique import PlanFacts
 
 logger = logging.getLogger(__name__)
 MIN_TIKTOKEN_VOCAB = 256 + 2  # byte tokens + trainer.data.tokenizer.NUM_SPECIAL (not imported: the launcher stays light)
@@ -157,33 +158,11 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     args = spec.with_seq_len(resolve_model_args(spec, config.model), t.seq_len)
     dims = ParallelDims.from_config(p, world_size, world_name)
     check_batch(t, dims.dp)
-    if dims.tp > 1:
-        for name, count in spec.tp_divisible(args).items():
-            if count % dims.tp:
-                raise ConfigError(
-                    f"[parallelism] tensor_parallel_degree={dims.tp} must divide model {name}={count}"
-                    f" ({config.model.name} {config.model.flavor})"
-                )
     if config.checkpoint.export_hf and spec.hf is None:
         raise ConfigError(
             f"[checkpoint] export_hf: model family {spec.name} has no Hugging Face adapter (ModelSpec.hf);"
             " set export_hf = false"
         )
-    if dims.ep > 1:
-        if spec.num_experts is None:
-            raise ConfigError(f"[parallelism] expert_parallel_degree={dims.ep}: model family {spec.name} has no experts")
-        if spec.num_experts(args) % dims.ep:
-            raise ConfigError(f"[parallelism] expert_parallel_degree={dims.ep} must divide the model's"
-                              f" n_experts={spec.num_experts(args)} ({config.model.name} {config.model.flavor})")
-        if dims.pp > 1 and dims.tp > 1:
-            raise ConfigError(f"[parallelism] expert_parallel_degree={dims.ep} with both pipeline_parallel_degree and"
-                              " tensor_parallel_degree > 1: not supported yet; drop one of the three")
-    if dims.pp > 1:
-        _check_frontend(config, spec, args, dims)
-    elif unused := _unused_pipeline_keys(p):
-        logger.warning("[parallelism] pipeline_parallel_degree = 1: %s not used; the model runs whole, without a"
-                       " pipeline schedule", ", ".join(unused))
-    _check_attention(config, spec, dims)
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
         raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
     vocab = spec.vocab_size(args)
@@ -192,21 +171,15 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
                           f" 2 special ones, so vocab_size >= {MIN_TIKTOKEN_VOCAB}")
     if check_memory:  # before the model is built: absurd sequence lengths overflow even meta tensors
         _check_logits_memory(config, dims, spec.vocab_size(args))
-    if dims.cp > 1 and not spec.cp_buffers:
-        raise ConfigError(
-            f"[parallelism] context_parallel_degree={dims.cp}: model family {spec.name} does not declare"
-            " its position-indexed buffers (ModelSpec.cp_buffers), so it cannot be split along the sequence"
-        )
     whole = spec.meta_model(args)  # the plan's one model build: sizes, costs, split, TP plan
+    check_techniques(PlanFacts(dims, spec, args, whole, p, config.model, config.compile.enable))
+    if config.model.attn_mask_type == "block_causal" and not spec.documents:
+        raise ConfigError(f'[model] attn_mask_type = "block_causal": model family {spec.name} does not take document'
+                          ' indices (ModelSpec.documents); set [model] attn_mask_type = "causal"')
     num_params = sum(x.numel() for x in whole.parameters())
     # Unshardable sizes fail here (a derived plan runs one meta forward), not after launch.
     tp_plan = resolve_tp_plan(spec, whole, p, seq_len=t.seq_len)
     pipeline, n_micro = None, 1
-    if dims.pp > 1 and p.pipeline_parallel_frontend == "manual" and not isinstance(
-            getattr(whole, spec.layers_attr, None), nn.ModuleDict):
-        raise ConfigError(f"[parallelism] pipeline_parallel_frontend = \"manual\": model family {spec.name} holds its"
-                          f" blocks ({spec.layers_attr}) in a {type(getattr(whole, spec.layers_attr, None)).__name__},"
-                          " not a ModuleDict whose entries a stage can delete; set pipeline_parallel_frontend = \"tracer\"")
     if dims.pp > 1:
         n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
         device = device_type() if check_memory else DRY_RUN_DEVICE
@@ -248,15 +221,6 @@ def adopt_imported_model(config: JobConfig, spec: ModelSpec) -> JobConfig:
     from trainer.hf import adopt_hf_config  # only here: the launcher's check stays light otherwise
 
     return dataclasses.replace(config, model=adopt_hf_config(folder, spec, config.model))
-
-
-def _unused_pipeline_keys(parallelism) -> list[str]:
-    """The pipeline keys set to other than their defaults (``key = value``), which a job without
-    pipeline stages ignores."""
-    default = type(parallelism)()
-    return [f"{f.name} = {getattr(parallelism, f.name)!r}" for f in fields(parallelism)
-            if f.name.startswith("pipeline_parallel_") and f.name != "pipeline_parallel_degree"
-            and getattr(parallelism, f.name) != getattr(default, f.name)]
 
 
 def degrees_product(config: JobConfig) -> int:
@@ -301,47 +265,6 @@ def _check_logits_memory(config: JobConfig, dims: ParallelDims, vocab_size: int)
             f" alone need ~{logits / gib:,.0f} GiB (x vocabulary {vocab_size}), more than the"
             f" {available / gib:,.0f} GiB of this machine's device"
         )
-
-
-def _check_attention(config: JobConfig, spec: ModelSpec, dims: ParallelDims) -> None:
-    """``[model] attn_mask_type = "block_causal"`` needs a family that takes document indices, and does not
-    compose (yet) with context parallelism or traced pipeline stages."""
-    if config.model.attn_mask_type != "block_causal":
-        return
-    key, fix = '[model] attn_mask_type = "block_causal"', '; set [model] attn_mask_type = "causal"'
-    if not spec.documents:
-        raise ConfigError(f"{key}: model family {spec.name} does not take document indices (ModelSpec.documents){fix}")
-    if dims.cp > 1:
-        raise ConfigError(f"{key} with [parallelism] context_parallel_degree={dims.cp}: not supported yet (context"
-                          f" parallelism's gathered attention masks by position, not by document){fix}")
-    if dims.pp > 1 and config.parallelism.pipeline_parallel_frontend == "tracer":
-        raise ConfigError(f'{key} with [parallelism] pipeline_parallel_frontend = "tracer": not supported (a traced'
-                          f" stage takes the hidden states only, not the documents){fix}")
-
-
-def _check_frontend(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims) -> None:
-    """What each pipeline front-end cannot cut or compose with, refused before launch."""
-    key = "[parallelism] pipeline_parallel_frontend"
-    frontend = config.parallelism.pipeline_parallel_frontend
-    if frontend == "manual":
-        if not spec.manual_split:
-            raise ConfigError(f"{key} = \"manual\": model family {spec.name} cannot run with stages' modules removed"
-                              " (ModelSpec.manual_split = False); set pipeline_parallel_frontend = \"tracer\"")
-        return
-    # A traced stage is a graph of aten ops: module-level parallel styles and per-block wrappers that
-    # change the forward cannot be applied to it, and torch's traced stages reject DTensor activations.
-    refused = [
-        (dims.tp > 1, "tensor_parallel_degree > 1 (TP plans shard nn.Linear modules, which tracing removes)"),
-        (dims.cp > 1, "context_parallel_degree > 1 (torch's traced stages reject DTensor activations)"),
-        (dims.ep > 1 or spec.num_experts is not None,
-         "a mixture-of-experts model (routing has data-dependent shapes, which torch.export cannot trace)"),
-        (bool(spec.tied_aliases(args)), "tied embeddings ([model] tie_embeddings: torch's traced stages do not"
-                                        " exchange a weight shared by two stages; the run fails in a transfer)"),
-        (config.compile.enable, "[compile] enable (not tried on traced stages)"),
-    ]
-    for bad, what in refused:
-        if bad:
-            raise ConfigError(f"{key} = \"tracer\" does not compose with {what}; use the manual front-end or drop it")
 
 
 def _reporting_rank(dims: ParallelDims, pipeline: PipelinePlan | None) -> int:

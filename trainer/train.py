@@ -120,10 +120,8 @@ def train_step(
     # step on all of them (times their number, undoing the average) gives one big batch's mean.
     num_tokens = count_label_tokens(microbatches).float()
     all_reduce_sum(num_tokens, meshes.batch_groups())
-    # Expert-parallel weights were averaged by their own FSDP over fewer ranks (those holding the same experts).
-    experts = {id(p) for p in parts.expert_params}
-    for average, params in ((meshes.dims.grad_average, [p for p in parts.chunks.parameters() if id(p) not in experts]),
-                            (meshes.expert_grad_average, parts.expert_params)):
+    # Some weights were averaged over another number of ranks (experts: those holding the same experts).
+    for average, params in parts.gradient_averages(meshes.dims.grad_average):
         grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, (average / num_tokens).to(grads[0].device))
@@ -200,22 +198,10 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
     optimizers = ChunkOptimizers(list(parts.chunks), config.optimizer, config.lr_scheduler, config.training.steps)
     dtype = plan.compute_dtype(device)
     # FSDP casts parameters itself; without it, autocast does the mixed precision.
-    if dtype == torch.float32 or meshes.fsdp is not None:
+    if dtype == torch.float32 or parts.casts_parameters:
         autocast = contextlib.nullcontext
     else:
         autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
-    tp_loss = meshes.tp is not None and not config.parallelism.disable_loss_parallel
-
-    def step_context() -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        if tp_loss:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            stack.enter_context(loss_parallel())
-        if parts.cp is not None:
-            stack.enter_context(parts.cp.attention())
-        return stack
-
     config_toml = to_toml(config)
     if reporting:
         dump = Path(config.job.dump_folder)
@@ -251,7 +237,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         profiler = StepProfiler(config.profiling, config.job.dump_folder,
                                 rank=dist.get_rank() if dist.is_initialized() else 0, device=device)
     return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
-                   step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id, tokenizer.bos_id), timeline, profiler)
+                   parts.step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id, tokenizer.bos_id), timeline, profiler)
 
 
 def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program: Program):
@@ -340,8 +326,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             microbatches = [(x.to(run.device), y.to(run.device)) for x, y in run.loader.next_step()]
             if run.timeline is not None:
                 run.timeline.begin_step(step)
-            if run.parts.cp is not None:  # this rank's part of each sequence
-                microbatches = [(run.parts.cp.shard(x), run.parts.cp.shard(y)) for x, y in microbatches]
+            microbatches = run.parts.shard_batch(microbatches)  # this rank's part of each sequence (CP)
             metered = step in config.profiling.activation_memory_steps
             with SavedActivationMeter(run.parts.chunks) if metered else contextlib.nullcontext() as meter:
                 loss, grad_norm = train_step(
@@ -352,11 +337,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                 )
             if metered:
                 result.activation_peaks[step] = report_activation_peaks(run, step, meter.peak)
-            if step == start_step + 1 and run.parts.cp is not None and run.parts.cp.attention().calls == 0:
-                raise UserError(  # every rank of the job runs the same model: all stop here
-                    "[parallelism] context_parallel_degree: the model's attention does not call"
-                    " F.scaled_dot_product_attention, so its context-parallel ranks would not see each other's tokens"
-                )
+            if step == start_step + 1:
+                run.parts.after_first_step()  # a technique that did not take effect stops every rank here
             run.optimizers.lr_step()
             loss_value, norm_value = loss.item(), grad_norm.item()  # .item() waits for the device
             result.step_times.append(time.perf_counter() - start)

@@ -27,15 +27,15 @@ from trainer.train import main  # noqa: E402
 def inject_fault(name: str) -> None:
     """Deliberate defects that the parity instrument must catch (tests of the tests)."""
     if name == "cp_rope_offset":
-        import trainer.model_parts as model_parts
+        import trainer.parallel.cp as cp
 
-        real = model_parts.apply_cp
+        real = cp.apply_cp
 
         def off_by_one(model, positions, buffers):
             # every cp rank but the first rotates its tokens one position early
             real(model, positions - 1 if int(positions[0]) > 0 else positions, buffers)
 
-        model_parts.apply_cp = off_by_one
+        cp.apply_cp = off_by_one
     elif name == "attention_without_sdpa":
         import types
 

@@ -17,6 +17,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from trainer.models.registry import model_blocks
+from trainer.parallel.technique import ChunkSetup, Technique
 
 # Outputs worth keeping under per-op selective AC: the expensive matmuls and attention.
 _SAVE_OPS = {
@@ -96,3 +97,20 @@ def apply_ac(model: nn.Module, *, mode: Literal["none", "full", "selective"], op
             _checkpoint_forward(block, selective_ops=False)
         elif option == "op":
             _checkpoint_forward(block, selective_ops=True)
+
+
+class ActivationCheckpointing(Technique):
+    """``[activation_checkpoint]``: blocks (all, every N-th, or per operator) recompute in backward."""
+
+    name = "ac"
+
+    def __init__(self, mode: Literal["full", "selective"], option: str, layers_attr: str):
+        self.mode, self.option, self.layers_attr = mode, option, layers_attr
+
+    @classmethod
+    def build(cls, setup: ChunkSetup) -> "ActivationCheckpointing | None":
+        ac = setup.activation_checkpoint
+        return None if ac.mode == "none" else cls(ac.mode, ac.selective_ac_option, setup.spec.layers_attr)
+
+    def apply(self, chunk: nn.Module) -> None:
+        apply_ac(chunk, mode=self.mode, option=self.option, layers_attr=self.layers_attr)

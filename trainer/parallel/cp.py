@@ -23,7 +23,8 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
-from trainer.errors import UserError
+from trainer.errors import ConfigError, UserError
+from trainer.parallel.technique import ChunkSetup, PlanFacts, Technique
 
 # torch 2.13 renamed the autograd-aware all-gather (the old name warns); 2.11 has only the old one.
 _all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -107,14 +108,43 @@ class ContextParallelAttention(TorchFunctionMode):
         return torch.cat(outs, dim=2)
 
 
-class ContextParallel:
-    """This rank's part of every sequence, and the attention mode that lets it see the whole."""
+class ContextParallel(Technique):
+    """``[parallelism] context_parallel_degree``: this rank's part of every sequence, the family's
+    position-indexed buffers re-indexed to it, and the attention mode that lets it see the whole."""
 
-    def __init__(self, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int):
-        self.group = group
+    name = "cp"
+
+    def __init__(self, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int, buffers: tuple[str, ...] = ()):
+        self.group, self.buffers = group, buffers
         self.positions = load_balanced_positions(seq_len, cp, rank)
         self.all_positions = torch.cat([load_balanced_positions(seq_len, cp, r) for r in range(cp)])
         self._attention = ContextParallelAttention(group, self.positions, self.all_positions)
+
+    @classmethod
+    def check(cls, facts: PlanFacts) -> None:
+        cp = facts.dims.cp
+        if cp == 1:
+            return
+        if not facts.spec.cp_buffers:
+            raise ConfigError(
+                f"[parallelism] context_parallel_degree={cp}: model family {facts.spec.name} does not declare"
+                " its position-indexed buffers (ModelSpec.cp_buffers), so it cannot be split along the sequence")
+        if facts.model.attn_mask_type == "block_causal":
+            raise ConfigError(
+                f'[model] attn_mask_type = "block_causal" with [parallelism] context_parallel_degree={cp}: not'
+                " supported yet (context parallelism's gathered attention masks by position, not by document);"
+                ' set [model] attn_mask_type = "causal"')
+
+    @classmethod
+    def build(cls, setup: ChunkSetup) -> "ContextParallel | None":
+        meshes = setup.meshes
+        if meshes.cp is None:
+            return None
+        return cls(meshes.cp.get_group(), meshes.dims.cp, meshes.world.get_local_rank("cp"), setup.seq_len,
+                   setup.spec.cp_buffers)
+
+    def after_materialize(self, chunk: nn.Module) -> None:  # init computes the rotary table for local positions
+        apply_cp(chunk, self.positions, self.buffers)
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, self.positions)
@@ -122,3 +152,12 @@ class ContextParallel:
     def attention(self) -> ContextParallelAttention:
         """The mode to enter around each forward and backward (one instance: its masks are reused)."""
         return self._attention
+
+    def step_context(self) -> ContextParallelAttention:
+        return self._attention
+
+    def after_first_step(self) -> None:
+        if self._attention.calls == 0:
+            raise UserError(  # every rank of the job runs the same model: all stop here
+                "[parallelism] context_parallel_degree: the model's attention does not call"
+                " F.scaled_dot_product_attention, so its context-parallel ranks would not see each other's tokens")

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.parallel.technique import ChunkSetup, Technique
+
 
 def apply_ddp(model: nn.Module, group: dist.ProcessGroup, *, reduce_dtype: torch.dtype) -> None:
     """Make ``model`` all-reduce (average) its gradients over ``group`` during backward, in place.
@@ -55,3 +57,23 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
     if isinstance(model, DDP):
         model.set_requires_gradient_sync(enabled)
+
+
+class PlainDDP(Technique):
+    """Plain DDP (``ParallelDims.plain_ddp``): torch's reducer over the replicas."""
+
+    name = "ddp"
+
+    def __init__(self, group: dist.ProcessGroup, reduce_dtype: torch.dtype):
+        self.group, self.reduce_dtype = group, reduce_dtype
+
+    @classmethod
+    def build(cls, setup: ChunkSetup) -> "PlainDDP | None":
+        group = setup.meshes.ddp
+        return None if group is None else cls(group, setup.reduce_dtype)
+
+    def apply(self, chunk: nn.Module) -> None:
+        apply_ddp(chunk, self.group, reduce_dtype=self.reduce_dtype)
+
+    def gradient_sync(self, chunk: nn.Module, enabled: bool) -> None:
+        set_gradient_sync(chunk, enabled)

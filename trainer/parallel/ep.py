@@ -12,6 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainer.errors import ConfigError
+from trainer.parallel.technique import ChunkSetup, PlanFacts, Technique
+
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """Modules routing tokens to experts: they have ``experts`` (stacked weights) and a ``dispatch``."""
@@ -62,3 +65,43 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
             params.append(param)
         moe.dispatch = AllToAllDispatch(ep_mesh.get_group(), size, moe.n_experts)
     return params
+
+
+class ExpertParallel(Technique):
+    """``[parallelism] expert_parallel_degree``: experts sharded over the ep ranks (carved from dp_shard); their
+    FSDP averages their gradients over the fewer ranks that hold the same experts."""
+
+    name = "ep"
+
+    def __init__(self, mesh: DeviceMesh, average: int):
+        self.mesh, self.average = mesh, average
+        self._params: list[nn.Parameter] | None = None
+
+    @classmethod
+    def check(cls, facts: PlanFacts) -> None:
+        ep, spec = facts.dims.ep, facts.spec
+        if ep == 1:
+            return
+        key = f"[parallelism] expert_parallel_degree={ep}"
+        if spec.num_experts is None:
+            raise ConfigError(f"{key}: model family {spec.name} has no experts")
+        if spec.num_experts(facts.model_args) % ep:
+            raise ConfigError(f"{key} must divide the model's n_experts={spec.num_experts(facts.model_args)}"
+                              f" ({facts.family})")
+        if facts.dims.pp > 1 and facts.dims.tp > 1:
+            raise ConfigError(f"{key} with both pipeline_parallel_degree and tensor_parallel_degree > 1: not supported"
+                              " yet; drop one of the three")
+
+    @classmethod
+    def build(cls, setup: ChunkSetup) -> "ExpertParallel | None":
+        if setup.meshes.ep is None:
+            return None
+        return cls(setup.meshes.ep, setup.meshes.expert_grad_average)
+
+    def apply(self, chunk: nn.Module) -> None:
+        apply_ep(chunk, self.mesh)
+
+    def own_gradient_average(self, chunks: nn.ModuleList) -> tuple[list[nn.Parameter], int]:
+        if self._params is None:  # the parameters as training sees them: after FSDP has replaced them
+            self._params = [p for m in expert_modules(chunks) for p in m.experts.parameters()]
+        return self._params, self.average

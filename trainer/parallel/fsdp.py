@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.models.registry import model_blocks
+from trainer.parallel.technique import ChunkSetup, Technique
 
 
 def apply_fsdp(
@@ -67,3 +68,26 @@ def apply_fsdp(
 def _share_parameters(a: list[nn.Module], b: list[nn.Module]) -> bool:
     ids = {id(p) for m in a for p in m.parameters()}
     return any(id(p) in ids for m in b for p in m.parameters())
+
+
+class FullyShardedDataParallel(Technique):
+    """FSDP2, HSDP, and DDP composed with TP, CP or a pipeline (``Meshes.fsdp``); it casts parameters to the
+    compute dtype itself (mixed precision without autocast)."""
+
+    name = "fsdp"
+    casts_parameters = True
+
+    def __init__(self, setup: ChunkSetup):
+        self.mesh, self.expert_mesh, self.spec = setup.meshes.fsdp, setup.meshes.expert_fsdp, setup.spec
+        self.param_dtype, self.reduce_dtype = setup.param_dtype, setup.reduce_dtype
+        self.reshard, self.pipelined = setup.parallelism.fsdp_reshard_after_forward, setup.pipelined
+
+    @classmethod
+    def build(cls, setup: ChunkSetup) -> "FullyShardedDataParallel | None":
+        return None if setup.meshes.fsdp is None else cls(setup)
+
+    def apply(self, chunk: nn.Module) -> None:
+        apply_fsdp(chunk, self.mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
+                   reshard_after_forward=self.reshard, layers_attr=self.spec.layers_attr,
+                   pre_layers=self.spec.pre_layers, post_layers=self.spec.post_layers, pipelined=self.pipelined,
+                   expert_mesh=self.expert_mesh)

@@ -1,25 +1,24 @@
-"""``parallelize``: the one place that composes TP, activation checkpointing, compile and FSDP/DDP."""
+"""The one place that composes the parallel techniques (``TECHNIQUES``, in order), and the TP plan."""
 
 import logging
 
-import torch
 from torch import nn
 
-from trainer.config.schema import ActivationCheckpoint, Parallelism
-from trainer.dtypes import torch_dtype
+from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec
-from trainer.parallel.ac import apply_ac
+from trainer.parallel.ac import ActivationCheckpointing
 from trainer.parallel.auto_tp import TPPlan, derive_tp_plan
-from trainer.parallel.compile import apply_compile
-from trainer.parallel.ddp import apply_ddp
-from trainer.parallel.ep import apply_ep
-from trainer.parallel.fsdp import apply_fsdp
-from trainer.parallel.mesh import Meshes
-from trainer.parallel.tp import apply_tp
+from trainer.parallel.compile import Compile
+from trainer.parallel.cp import ContextParallel
+from trainer.parallel.ddp import PlainDDP
+from trainer.parallel.ep import ExpertParallel
+from trainer.parallel.fsdp import FullyShardedDataParallel
+from trainer.parallel.pipeline_split import PipelineParallel
+from trainer.parallel.technique import ChunkSetup, PlanFacts, Technique
+from trainer.parallel.tp import TensorParallel
 
 logger = logging.getLogger(__name__)
-
 
 
 def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism: Parallelism, *, seq_len: int) -> TPPlan | None:
@@ -49,46 +48,28 @@ def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism: Parallelism,
     return TPPlan(top, block, derived=False)
 
 
-def parallelize(
-    model: nn.Module,
-    spec: ModelSpec,
-    meshes: Meshes,
-    *,
-    tp_plan: TPPlan | None,
-    parallelism: Parallelism,
-    activation_checkpoint: ActivationCheckpoint,
-    compile_enabled: bool,
-    param_dtype: torch.dtype,
-    reduce_dtype: str,
-    pipelined: bool = False,
-) -> None:
-    """Apply every SPMD technique the job asks for to ``model`` (a whole model or a pipeline chunk), in place.
+# The order techniques compose in, each for a reason:
+# 1. TP first: it turns parameters into DTensors on the tp mesh, which everything after (checkpoint
+#    hooks, compiled graphs, FSDP's 2-D sharding) must see.
+# 2. EP: expert weights become DTensors sharded over the ep ranks; tokens reach them by all-to-all.
+# 3. AC before compile, so the compiled region includes the recomputation boundaries.
+# 4. Compile per block before FSDP, so FSDP's hooks stay outside the compiled graphs.
+# 5. CP changes no module (it re-indexes buffers once the weights exist, shards the data, and rewrites
+#    attention during a step).
+# 6. DDP or FSDP/HSDP last: it wraps whatever the block has become.
+# 7. PP only checks here: it decides what the chunks are (trainer.parallel.pipeline).
+TECHNIQUES: list[type[Technique]] = [
+    TensorParallel, ExpertParallel, ActivationCheckpointing, Compile, ContextParallel, PlainDDP,
+    FullyShardedDataParallel, PipelineParallel,
+]
 
-    ``tp_plan`` comes from ``resolve_tp_plan``; ``parallelism`` and ``activation_checkpoint`` are
-    those config sections.
-    """
-    # 1. TP first: it turns parameters into DTensors on the tp mesh, which everything after
-    #    (checkpoint hooks, compiled graphs, FSDP's 2-D sharding) must see.
-    if meshes.tp is not None:
-        apply_tp(model, meshes.tp, top_plan=tp_plan.top, block_plan=tp_plan.block, layers_attr=spec.layers_attr)
-    # 1b. EP: expert weights become DTensors sharded over the ep ranks; tokens reach them by all-to-all.
-    if meshes.ep is not None:
-        apply_ep(model, meshes.ep)
-    # 2. AC before compile, so the compiled region includes the recomputation boundaries.
-    apply_ac(
-        model, mode=activation_checkpoint.mode, option=activation_checkpoint.selective_ac_option,
-        layers_attr=spec.layers_attr,
-    )
-    # 3. Compile per block before FSDP, so FSDP's hooks stay outside the compiled graphs.
-    if compile_enabled:
-        apply_compile(model, layers_attr=spec.layers_attr)
-    # 4. FSDP/HSDP/DDP last: it wraps whatever the block has become.
-    if meshes.ddp is not None:
-        apply_ddp(model, meshes.ddp, reduce_dtype=torch_dtype(reduce_dtype))
-    elif meshes.fsdp is not None:
-        apply_fsdp(
-            model, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=torch_dtype(reduce_dtype),
-            reshard_after_forward=parallelism.fsdp_reshard_after_forward, layers_attr=spec.layers_attr,
-            pre_layers=spec.pre_layers, post_layers=spec.post_layers, pipelined=pipelined,
-            expert_mesh=meshes.expert_fsdp,
-        )
+
+def check_techniques(facts: PlanFacts) -> None:
+    """Every technique's plan-time checks (raises ConfigError)."""
+    for technique in TECHNIQUES:
+        technique.check(facts)
+
+
+def build_techniques(setup: ChunkSetup) -> list[Technique]:
+    """This rank's instances of the techniques its job uses, in composition order."""
+    return [t for cls in TECHNIQUES if (t := cls.build(setup)) is not None]

@@ -5,9 +5,10 @@ real run all use them. A stage is a contiguous run of blocks; the first stage al
 modules before the blocks (embeddings), the last those after (final norm, output projection).
 """
 
+import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from torch import nn
@@ -19,6 +20,9 @@ from trainer.models.registry import model_blocks
 from trainer.parallel.pipeline_cost import PartCosts, part_flops
 from trainer.parallel.pipeline_planner import Simulator, SplitSearch, search_splits
 from trainer.parallel.schedule_sim import check_csv, check_schedule, csv_rows, program_for
+from trainer.parallel.technique import PlanFacts, Technique
+
+logger = logging.getLogger(__name__)
 
 KEY = "[parallelism] pipeline_parallel_"
 
@@ -230,3 +234,54 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_at
         stages.append(Stage(s, tuple(block_keys[start:start + c]), s == 0, s == num_stages - 1))
         start += c
     return PipelinePlan(tuple(stages), pp, schedule, traits.placement, search)
+
+
+class PipelineParallel(Technique):
+    """``[parallelism] pipeline_parallel_degree``: the plan-time checks of the front-ends. Its runtime is not a
+    per-chunk transformation: it decides what the chunks are (``trainer.parallel.pipeline`` builds them and
+    the schedule that runs them), and ``ModelParts`` runs the schedule in place of a forward and backward."""
+
+    name = "pp"
+
+    @classmethod
+    def check(cls, facts: PlanFacts) -> None:
+        p, dims, spec = facts.parallelism, facts.dims, facts.spec
+        if dims.pp == 1:
+            default = type(p)()
+            unused = [f"{f.name} = {getattr(p, f.name)!r}" for f in fields(p)
+                      if f.name.startswith("pipeline_parallel_") and f.name != "pipeline_parallel_degree"
+                      and getattr(p, f.name) != getattr(default, f.name)]
+            if unused:
+                logger.warning("[parallelism] pipeline_parallel_degree = 1: %s not used; the model runs whole, without"
+                               " a pipeline schedule", ", ".join(unused))
+            return
+        key = "[parallelism] pipeline_parallel_frontend"
+        if p.pipeline_parallel_frontend == "manual":
+            if not spec.manual_split:
+                raise ConfigError(f"{key} = \"manual\": model family {spec.name} cannot run with stages' modules"
+                                  " removed (ModelSpec.manual_split = False); set pipeline_parallel_frontend = \"tracer\"")
+            blocks = getattr(facts.whole, spec.layers_attr, None)
+            if not isinstance(blocks, nn.ModuleDict):
+                raise ConfigError(f"{key} = \"manual\": model family {spec.name} holds its blocks ({spec.layers_attr})"
+                                  f" in a {type(blocks).__name__}, not a ModuleDict whose entries a stage can delete;"
+                                  " set pipeline_parallel_frontend = \"tracer\"")
+            return
+        # A traced stage is a graph of aten ops: module-level parallel styles and per-block wrappers that
+        # change the forward cannot be applied to it, and torch's traced stages reject DTensor activations.
+        refused = [
+            (dims.tp > 1, "tensor_parallel_degree > 1 (TP plans shard nn.Linear modules, which tracing removes)"),
+            (dims.cp > 1, "context_parallel_degree > 1 (torch's traced stages reject DTensor activations)"),
+            (dims.ep > 1 or spec.num_experts is not None,
+             "a mixture-of-experts model (routing has data-dependent shapes, which torch.export cannot trace)"),
+            (bool(spec.tied_aliases(facts.model_args)), "tied embeddings ([model] tie_embeddings: torch's traced"
+                                                        " stages do not exchange a weight shared by two stages; the"
+                                                        " run fails in a transfer)"),
+            (facts.compile_enabled, "[compile] enable (not tried on traced stages)"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ConfigError(f"{key} = \"tracer\" does not compose with {what}; use the manual front-end or drop it")
+        if facts.model.attn_mask_type == "block_causal":
+            raise ConfigError(f'[model] attn_mask_type = "block_causal" with {key} = "tracer": not supported (a traced'
+                              ' stage takes the hidden states only, not the documents); set [model] attn_mask_type ='
+                              ' "causal"')

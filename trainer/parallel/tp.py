@@ -8,8 +8,11 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainer.errors import ConfigError
 from trainer.models.registry import model_blocks
 from trainer.models.tied import find_tied, retie_
+from trainer.parallel.auto_tp import TPPlan
+from trainer.parallel.technique import ChunkSetup, PlanFacts, Technique
 
 if TYPE_CHECKING:  # DTensor is imported where it is used (a run without it starts ~0.5 s sooner)
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -43,3 +46,40 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
         return module.get_submodule(path) is not None
     except AttributeError:
         return False
+
+
+class TensorParallel(Technique):
+    """``[parallelism] tensor_parallel_degree``: the family's (or the derived) plan over the tp mesh, and the
+    loss computed on vocabulary-sharded logits (loss parallel) unless ``disable_loss_parallel``."""
+
+    name = "tp"
+
+    def __init__(self, mesh: DeviceMesh, plan: TPPlan, layers_attr: str, loss_parallel: bool):
+        self.mesh, self.plan, self.layers_attr, self.loss_parallel = mesh, plan, layers_attr, loss_parallel
+
+    @classmethod
+    def check(cls, facts: PlanFacts) -> None:
+        tp = facts.dims.tp
+        if tp == 1:
+            return
+        for name, count in facts.spec.tp_divisible(facts.model_args).items():
+            if count % tp:
+                raise ConfigError(
+                    f"[parallelism] tensor_parallel_degree={tp} must divide model {name}={count} ({facts.family})")
+
+    @classmethod
+    def build(cls, setup: ChunkSetup) -> "TensorParallel | None":
+        if setup.meshes.tp is None:
+            return None
+        return cls(setup.meshes.tp, setup.tp_plan, setup.spec.layers_attr,
+                   loss_parallel=not setup.parallelism.disable_loss_parallel)
+
+    def apply(self, chunk: nn.Module) -> None:
+        apply_tp(chunk, self.mesh, top_plan=self.plan.top, block_plan=self.plan.block, layers_attr=self.layers_attr)
+
+    def step_context(self):
+        if not self.loss_parallel:
+            return None
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
