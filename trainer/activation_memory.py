@@ -36,7 +36,7 @@ def activation_peaks(plan, device_type: str) -> list[float] | str:
     if pipeline is None:
         tokens = plan.config.training.local_batch_size * plan.config.training.seq_len
         return [tokens * (sum(per_part.kept) + per_part.stage + max(per_part.recompute))]
-    if pipeline.schedule == "csv":
+    if pipeline.traits.from_file:
         return "not modelled for CSV schedules"
     ops = schedule_ops(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank)
     return rank_peaks(per_part, [len(s.blocks) for s in pipeline.stages], ops,

@@ -106,7 +106,7 @@ def describe_plan(plan: JobPlan) -> str:
 
     lines += [
         f"Pipeline: {pipeline.schedule}"
-        + (f" ({p.pipeline_parallel_schedule_csv})" if pipeline.schedule == "csv" else "")
+        + (f" ({p.pipeline_parallel_schedule_csv})" if pipeline.traits.from_file else "")
         + f", {pipeline.num_stages} stages, {pipeline.stages_per_rank} per rank,"
         f" {'V' if pipeline.style == 'v' else 'loop'} placement, {plan.n_microbatches} microbatches of"
         f" {p.pipeline_parallel_microbatch_size} per step",
@@ -137,7 +137,7 @@ def describe_plan(plan: JobPlan) -> str:
         f" {act_note})"
     )
     lines += [""] + predicted_step(plan)
-    if pipeline.schedule != "csv":
+    if not pipeline.traits.from_file:
         path = Path(config.job.dump_folder) / "pipeline_schedule.txt"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

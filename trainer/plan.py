@@ -28,7 +28,7 @@ from trainer.models import ModelSpec, get_model_spec, import_model_modules, mode
 from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
-from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs
+from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs, schedule_traits
 from trainer.parallel.pipeline_cost import PartCosts, flop_costs, part_flops, read_cost_file, calibrated_costs
 from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
 from trainer.parallel.technique import PlanFacts
@@ -134,7 +134,7 @@ class JobPlan:
     def bubble(self) -> float | None:
         """Expected idle fraction of the pipeline ranks (None: no pipeline, or a CSV schedule)."""
         p = self.pipeline
-        if p is None or p.schedule == "csv":
+        if p is None or p.traits.from_file:
             return None
         return bubble_fraction(p.schedule, p.pp, self.n_microbatches, p.stages_per_rank)
 
@@ -356,7 +356,7 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
     split = dims.dp_shard * dims.cp * dims.tp
     per_part = part_activations(config, spec, args, dims, compute_dtype(config.training.mixed_precision_param,
                                                                         device).itemsize)
-    schedule = p.pipeline_parallel_schedule if not p.pipeline_parallel_schedule_csv else "csv"
+    schedule, traits = schedule_traits(p)
     tokens = p.pipeline_parallel_microbatch_size * config.training.seq_len
 
     def rank_bytes(counts: tuple[int, ...], placement: list[list[int]]) -> list[float]:
@@ -366,7 +366,7 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
             stage_state.append(sum(params[start:start + c]) + (params[0] if s == 0 else 0) + (params[-1] if s == last else 0))
             start += c
         acts = [0.0] * dims.pp
-        if schedule != "csv" and not isinstance(per_part, str):
+        if not traits.from_file and not isinstance(per_part, str):
             acts = rank_peaks(per_part, counts, schedule_ops(schedule, dims.pp, n_micro, len(counts) // dims.pp), tokens)
         return [sum(stage_state[s] for s in placement[r]) * BYTES_PER_PARAM / split + acts[r] for r in range(dims.pp)]
 

@@ -124,3 +124,19 @@ def test_the_layer_check_catches_an_upward_import():
     assert layer_violations(graph) == ["trainer.models.llama -> trainer.parallel.fsdp"]
     same_layer = {"trainer.parallel.tp": {"trainer.hf"}, "trainer.hf": set()}
     assert layer_violations(same_layer) == ["trainer.parallel.tp -> trainer.hf"]
+
+
+def test_only_the_schedule_table_names_a_schedule():
+    """A schedule's special cases are traits of trainer/config/schedules.py: no other module compares with a
+    schedule's name (the schema's default value is the one other place a name is written)."""
+    from trainer.config.schedules import CSV_NAME, SCHEDULES
+
+    names = set(SCHEDULES) | {CSV_NAME}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).as_posix() in ("config/schedules.py", "config/schema.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value!r}")
+    assert found == []

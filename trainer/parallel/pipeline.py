@@ -141,7 +141,7 @@ def build_schedule(plan: PipelinePlan, stages: list, *, n_microbatches: int, los
     schedule must not divide by the number of microbatches as well.
     """
     from torch.distributed.pipelining import schedules
-    if plan.schedule == "csv":
+    if plan.traits.from_file:
         schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         data = Path(csv_path).read_bytes()
         if data.startswith(b"\xef\xbb\xbf"):  # a byte-order mark (spreadsheet exports): torch reads it as part of a cell

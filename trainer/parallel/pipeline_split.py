@@ -13,7 +13,7 @@ from typing import Literal
 
 from torch import nn
 
-from trainer.config.schedules import CSV, SCHEDULES, ScheduleTraits
+from trainer.config.schedules import CSV, CSV_NAME, SCHEDULES, ScheduleTraits, traits_of
 from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
 from trainer.models.registry import model_blocks
@@ -28,9 +28,9 @@ KEY = "[parallelism] pipeline_parallel_"
 
 
 def schedule_traits(parallelism: Parallelism) -> tuple[str, ScheduleTraits]:
-    """(schedule name or "csv", its traits) for the ``[parallelism]`` section."""
+    """(schedule name or ``CSV_NAME``, its traits) for the ``[parallelism]`` section."""
     if parallelism.pipeline_parallel_schedule_csv:
-        return "csv", CSV
+        return CSV_NAME, CSV
     return parallelism.pipeline_parallel_schedule, SCHEDULES[parallelism.pipeline_parallel_schedule]
 
 
@@ -48,10 +48,14 @@ class PipelinePlan:
 
     stages: tuple[Stage, ...]
     pp: int
-    schedule: str  # canonical torch name, or "csv"
+    schedule: str  # a name of the schedule table, or CSV_NAME
     style: Literal["loop", "v"]
     search: SplitSearch | None = None
     """The makespan planner's search, when it chose the split."""
+
+    @property
+    def traits(self) -> ScheduleTraits:
+        return traits_of(self.schedule)
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -187,7 +191,7 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_at
             f"{KEY}schedule={schedule} runs one stage per rank, but there are {num_stages} stages for"
             f" {pp} ranks; use a multi-stage schedule (e.g. Interleaved1F1B) or {pp - 1} split points"
         )
-    if traits.stages_per_rank != "one" and per_rank < 2 and schedule != "csv":
+    if traits.stages_per_rank != "one" and per_rank < 2 and not traits.from_file:
         raise ConfigError(
             f"{KEY}schedule={schedule} needs at least 2 stages per rank, got {num_stages} stages for {pp} ranks;"
             f" give {2 * pp - 1} split points or set pipeline_parallel_layers_per_stage"
@@ -199,7 +203,7 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_at
             f"{KEY}degree={pp}: {num_stages} stages ({per_rank} per rank) but the model has only {n_layers} layers"
         )
 
-    if schedule == "csv":
+    if traits.from_file:
         check_csv(parallelism.pipeline_parallel_schedule_csv,
                   [[r + i * pp for i in range(per_rank)] for r in range(pp)], n_microbatches)
     else:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-from trainer.config.schedules import CSV_KEY
+from trainer.config.schedules import CSV_KEY, traits_of
 from trainer.errors import ConfigError
 
 # Relative compute cost of an action on one stage: backward is twice forward; a split
@@ -269,7 +269,7 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank
     """Expected idle fraction of the pipeline ranks' time (compute costs: F=1, B=2, I=W=1)."""
     if pp == 1:
         return 0.0
-    if schedule in ("GPipe", "1F1B"):
+    if traits_of(schedule).fill_drain:
         # Fill and drain: p - 1 slots of (F + B) idle out of m + p - 1.
         return (pp - 1) / (n_microbatches + pp - 1)
     makespan, busy = simulate(schedule_ops(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank)
@@ -284,8 +284,8 @@ def simulated_spans(schedule: str, pp: int, n_microbatches: int, stages_per_rank
 
 
 def program_for(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int, csv: str = "") -> Program:
-    """The compiled action lists of a named schedule, or of the CSV file ``csv`` when schedule is "csv"."""
-    if schedule == "csv":
+    """The compiled action lists of a named schedule, or of the CSV file ``csv`` for a schedule from a file."""
+    if traits_of(schedule).from_file:
         queues = [[(k, s, m) for s, k, m in row] for row in csv_rows(csv)]
     else:
         queues = _queues(schedule, pp, n_microbatches, stages_per_rank)
@@ -293,8 +293,9 @@ def program_for(schedule: str, pp: int, n_microbatches: int, stages_per_rank: in
 
 
 def _queues(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[list[tuple[str, int, int]]]:
-    if schedule in ("GPipe", "1F1B"):  # torch's action lists for one stage per rank are not usable here
-        return [_one_stage_ops(schedule, pp, n_microbatches, r) for r in range(pp)]
+    order = traits_of(schedule).order
+    if order != "torch":  # torch's action lists for one stage per rank are not usable here
+        return [_one_stage_ops(order, pp, n_microbatches, r) for r in range(pp)]
     ops = schedule_ops(schedule, pp, n_microbatches, stages_per_rank)
     return [[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops]
 
@@ -323,10 +324,11 @@ def replayed_span(program: Program, actions: list[tuple[str, int, float]], spans
     return replay(program, table, spans=spans)[0]
 
 
-def _one_stage_ops(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
-    """GPipe: every forward, then every backward. 1F1B: pp - 1 - rank forwards to fill the pipeline,
-    then one forward and one backward in turn, then the remaining backwards."""
-    if schedule == "GPipe":
+def _one_stage_ops(order: str, pp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """forwards_then_backwards (GPipe): every forward, then every backward. fill_alternate_drain (1F1B):
+    pp - 1 - rank forwards to fill the pipeline, then one forward and one backward in turn, then the
+    remaining backwards."""
+    if order == "forwards_then_backwards":
         return [("F", rank, i) for i in range(m)] + [("B", rank, i) for i in range(m)]
     warm = min(pp - 1 - rank, m)
     ops = [("F", rank, i) for i in range(warm)]
@@ -337,7 +339,7 @@ def _one_stage_ops(schedule: str, pp: int, m: int, rank: int) -> list[tuple[str,
 
 def timeline(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> str:
     """Text rendering of each rank's action order (stage, kind, microbatch), e.g. '0F0 0F1 3F0 ...'."""
-    if schedule in ("GPipe", "1F1B"):
+    if traits_of(schedule).fill_drain:
         return f"{schedule}: each rank runs forwards then backwards of {n_microbatches} microbatches in order\n"
     ops = schedule_ops(schedule, pp, n_microbatches, stages_per_rank)
     lines = []
