@@ -97,7 +97,7 @@ LAYERS = [
      "trainer.profiling"],
     ["trainer.evaluate"],
     ["trainer.train"],
-    ["trainer.convert", "trainer.launch"],
+    ["trainer.convert", "trainer.launch", "trainer.prepare"],
     ["trainer.generate"],
     ["trainer"],
 ]

@@ -208,7 +208,7 @@ def test_damaged_shards_are_one_line_naming_the_file(tok, tmp_path):
     (folder / "index.json").write_text("{not json")
     with pytest.raises(UserError, match="cannot read .*index.json"):
         TokenShards(folder)
-    with pytest.raises(UserError, match="has no index.json; prepare it with python -m trainer.data.prepare"):
+    with pytest.raises(UserError, match="has no index.json; prepare it with python -m trainer.prepare"):
         TokenShards(tmp_path)
     with pytest.raises(UserError, match="holds no text to prepare"):
         prepare_shards([], tok, tmp_path / "empty", source="nothing")
@@ -259,18 +259,18 @@ def test_prepare_command(tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     out = tmp_path / "prepared"
-    cmd = [sys.executable, "-m", "trainer.data.prepare", str(out), "--training.dataset_path", str(data)]
+    cmd = [sys.executable, "-m", "trainer.prepare", str(out), "--training.dataset_path", str(data)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert f"{len(DOCS)} documents" in done.stdout and (out / "index.json").is_file()
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 2 and again.stderr.count("\n") == 1 and "already holds a prepared dataset" in again.stderr
-    missing = subprocess.run([sys.executable, "-m", "trainer.data.prepare", str(tmp_path / "x"), "--training.dataset_path",
+    missing = subprocess.run([sys.executable, "-m", "trainer.prepare", str(tmp_path / "x"), "--training.dataset_path",
                               str(tmp_path / "nope.jsonl")], capture_output=True, text=True)
     assert missing.returncode == 2 and "dataset_path" in missing.stderr and "Traceback" not in missing.stderr
     # --verify: every token file against the sha256 recorded at preparation; a flipped bit that keeps
     # the size (which a run's start-up check cannot see) is named in one line.
-    verify = [sys.executable, "-m", "trainer.data.prepare", "--verify", str(out)]
+    verify = [sys.executable, "-m", "trainer.prepare", "--verify", str(out)]
     ok = subprocess.run(verify, capture_output=True, text=True)
     assert ok.returncode == 0 and "every sha256 as prepared" in ok.stdout, ok.stderr
     tokens = out / "tokens-00000.bin"
@@ -281,8 +281,8 @@ def test_prepare_command(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "--verify: shard file" in bad.stderr and "tokens-00000.bin has other contents than when it was prepared" in bad.stderr
     # --verify without a folder: the usage line, exit 2 (issue 34)
-    usage = subprocess.run([sys.executable, "-m", "trainer.data.prepare", "--verify"], capture_output=True, text=True)
-    assert usage.returncode == 2 and usage.stderr.startswith("usage: python -m trainer.data.prepare")
+    usage = subprocess.run([sys.executable, "-m", "trainer.prepare", "--verify"], capture_output=True, text=True)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: python -m trainer.prepare")
     assert "Traceback" not in usage.stderr
 
 

@@ -154,7 +154,7 @@ class Training:
     dataset: str = "python_docs"
     """Dataset: 'python_docs' (bundled, offline) or a Hugging Face hub name; ignored when dataset_path is set."""
     dataset_path: str = ""
-    """Prepared token shards (python -m trainer.data.prepare), or local .txt/.json/.jsonl/.parquet file(s); overrides dataset."""
+    """Prepared token shards (python -m trainer.prepare), or local .txt/.json/.jsonl/.parquet file(s); overrides dataset."""
     dataset_mix: Annotated[dict, TableEntries()] = field(default_factory=dict)
     """Several datasets with weights, e.g. {"data/web" = 3, "data/code" = {weight = 1, split = "train[:90%]"}}: keys as dataset_path (or a dataset name), weights > 0, each dataset's own split or else [training.dataloader] split; replaces dataset and dataset_path."""
     local_batch_size: Annotated[int, Positive] = 8

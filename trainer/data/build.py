@@ -81,7 +81,7 @@ def _wait_for(index: Path, seconds: float, source: Source) -> None:
         if time.monotonic() > deadline:
             raise UserError(
                 f"{source.section} dataset: waited {seconds:.0f} s ([comm] init_timeout_seconds) for local rank 0 to"
-                f" prepare {source.name}; prepare it ahead with python -m trainer.data.prepare"
+                f" prepare {source.name}; prepare it ahead with python -m trainer.prepare"
             )
         time.sleep(0.2)
 
@@ -95,7 +95,7 @@ def _mix_sources(training: Training) -> list[tuple[Source, float]]:
         if entry.own_split and is_prepared(entry.name):
             raise UserError(f"[training.dataset_mix] {entry.name!r}: split {entry.split!r} cannot apply to prepared"
                             f" token shards (they are read whole); prepare the split you want with"
-                            f" python -m trainer.data.prepare")
+                            f" python -m trainer.prepare")
         out.append((Source("" if local else entry.name, entry.name if local else "", entry.split,
                            section="[training.dataset_mix]", split_key=entry.split_key), entry.weight))
     return out

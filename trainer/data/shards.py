@@ -57,7 +57,7 @@ class TokenShards:
             index = json.loads(index_path.read_text())
         except FileNotFoundError:
             raise UserError(
-                f"{key}: {self.folder} has no {INDEX}; prepare it with python -m trainer.data.prepare"
+                f"{key}: {self.folder} has no {INDEX}; prepare it with python -m trainer.prepare"
             ) from None
         except (OSError, ValueError) as e:
             raise UserError(f"{key}: cannot read {index_path}: {e}") from None
@@ -94,7 +94,7 @@ class TokenShards:
 
     def verify(self) -> None:
         """Hash every token file against the sha256 the index recorded at preparation (reads the whole
-        dataset once: run ``python -m trainer.data.prepare --verify FOLDER`` after copying data, not
+        dataset once: run ``python -m trainer.prepare --verify FOLDER`` after copying data, not
         at every start, where only the sizes are checked)."""
         for shard in self.shards:
             path = self.folder / shard.tokens
@@ -129,7 +129,7 @@ class TokenShards:
                 raise UserError(f"{self.key}: shard file {self.folder / self.shards[i].tokens} holds token id {bad}"
                                 f" at token {offset + int(np.argmax(part == bad))}, outside the vocabulary of"
                                 f" {self.vocab_size}: the file is damaged (check it with python -m"
-                                f" trainer.data.prepare --verify {self.folder})")
+                                f" trainer.prepare --verify {self.folder})")
             filled += take
             i += 1
         return out
