@@ -105,9 +105,9 @@ def hf_family(config: dict, folder: Path, key: str = _KEY) -> ModelSpec:
 
     model_type = config.get("model_type")
     for spec in _REGISTRY.values():
-        if spec.hf is not None and spec.hf.from_config is not None and spec.hf.model_type == model_type:
+        if spec.hf is not None and spec.hf.reads_config and spec.hf.model_type == model_type:
             return spec
-    known = sorted(f"{s.hf.model_type} ({s.name})" for s in _REGISTRY.values() if s.hf and s.hf.from_config)
+    known = sorted(f"{s.hf.model_type} ({s.name})" for s in _REGISTRY.values() if s.hf and s.hf.reads_config)
     raise UserError(f"{key}: {folder}/config.json has model_type {model_type!r}, which no model family reads"
                     f" (known: {', '.join(known)})")
 

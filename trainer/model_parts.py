@@ -213,7 +213,7 @@ def _stage_examples(plan: JobPlan, device: torch.device):
     inference: with expert parallelism the inference's forward and backward run all-to-alls that the
     expert-parallel peers do not join in the same order (seen to hang on torch 2.13)."""
     mb, seq = plan.config.parallelism.pipeline_parallel_microbatch_size, plan.config.training.seq_len
-    dtype, dim = plan.compute_dtype(device), plan.model_args.dim
+    dtype, dim = plan.compute_dtype(device), plan.layout.dim
     # Floating examples require grad: torch derives from them which gradients travel between stages.
     hidden = torch.empty(mb, seq, dim, dtype=dtype, device=device, requires_grad=True)
 

@@ -25,6 +25,7 @@ from trainer.dtypes import torch_dtype
 from trainer.env import device_type
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec, get_model_spec, import_model_modules, model_blocks, resolve_model_args
+from trainer.models.registry import ModelLayout
 from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
@@ -77,6 +78,10 @@ class JobPlan:
     def traced(self) -> bool:
         """Whether pipeline stages come from torch's tracer (``pipeline_parallel_frontend = "tracer"``)."""
         return self.pipeline is not None and self.config.parallelism.pipeline_parallel_frontend == "tracer"
+
+    @property
+    def layout(self) -> ModelLayout:
+        return self.spec.layout(self.model_args)
 
     @property
     def tied_aliases(self) -> dict[str, str]:
@@ -178,17 +183,17 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
                           ' indices (ModelSpec.documents); set [model] attn_mask_type = "causal"')
     num_params = sum(x.numel() for x in whole.parameters())
     # Unshardable sizes fail here (a derived plan runs one meta forward), not after launch.
-    tp_plan = resolve_tp_plan(spec, whole, p, seq_len=t.seq_len)
+    tp_plan = resolve_tp_plan(spec, spec.layout(args), whole, p, seq_len=t.seq_len)
     pipeline, n_micro = None, 1
     if dims.pp > 1:
         n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
         device = device_type() if check_memory else DRY_RUN_DEVICE
         limit = p.pipeline_parallel_memory_limit_gib * 2**30 or (device_memory_bytes() if check_memory else None)
         pipeline = build_pipeline_plan(
-            p, whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers, seq_len=t.seq_len,
+            p, whole, spec.layout(args), seq_len=t.seq_len,
             n_microbatches=n_micro, costs=lambda: pipeline_costs(config, spec, args, whole, dims, device),
             fits=None if limit is None else _fits(split_memory(config, spec, args, whole, dims, device, n_micro), limit))
-    stage_params, stage_flops = _stage_costs(whole, spec, pipeline, t.seq_len)
+    stage_params, stage_flops = _stage_costs(whole, spec.layout(args), pipeline, t.seq_len)
     plan = JobPlan(
         config=config, dims=dims, spec=spec, model_args=args, num_params=num_params,
         flops_per_token=spec.flops_per_token(args, t.seq_len), tp_plan=tp_plan, pipeline=pipeline,
@@ -216,7 +221,7 @@ def adopt_imported_model(config: JobConfig, spec: ModelSpec) -> JobConfig:
     """The config with ``[model]`` taken from config.json when the run starts from a Hugging Face folder
     (trainer.hf.adopt_hf_config); otherwise unchanged."""
     folder = Path(config.checkpoint.initial_load_path) if config.checkpoint.initial_load_path else None
-    if folder is None or not (folder / "config.json").is_file() or spec.hf is None or spec.hf.from_config is None:
+    if folder is None or not (folder / "config.json").is_file() or spec.hf is None or not spec.hf.reads_config:
         return config
     from trainer.hf import adopt_hf_config  # only here: the launcher's check stays light otherwise
 
@@ -274,7 +279,7 @@ def _reporting_rank(dims: ParallelDims, pipeline: PipelinePlan | None) -> int:
     return last_pp_rank * (dims.world_size // dims.pp)  # pp is the outermost mesh dim
 
 
-def _stage_costs(whole: nn.Module, spec: ModelSpec, pipeline: PipelinePlan | None,
+def _stage_costs(whole: nn.Module, layout: ModelLayout, pipeline: PipelinePlan | None,
                  seq_len: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Parameters and forward FLOPs/token per stage, from the whole model's modules (no chunk is built).
 
@@ -282,11 +287,10 @@ def _stage_costs(whole: nn.Module, spec: ModelSpec, pipeline: PipelinePlan | Non
     def params(modules: list[nn.Module]) -> int:
         return sum(x.numel() for m in modules for x in m.parameters())
 
-    pre = [getattr(whole, n) for n in spec.pre_layers if getattr(whole, n, None) is not None]
-    post = [getattr(whole, n) for n in spec.post_layers if getattr(whole, n, None) is not None]
-    blocks = model_blocks(whole, spec.layers_attr)
-    pre_f, block_f, post_f = module_costs(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers,
-                                          post=spec.post_layers, mode="flops", seq_len=seq_len)
+    pre = [getattr(whole, n) for n in layout.pre if getattr(whole, n, None) is not None]
+    post = [getattr(whole, n) for n in layout.post if getattr(whole, n, None) is not None]
+    blocks = model_blocks(whole, layout.blocks)
+    pre_f, block_f, post_f = module_costs(whole, layout, mode="flops", seq_len=seq_len)
     if pipeline is None:
         return (sum(x.numel() for x in whole.parameters()),), (pre_f + sum(block_f) + post_f,)
     index = {key: i for i, key in enumerate(blocks.keys())}
@@ -303,11 +307,11 @@ def _fits(rank_bytes, limit: float):
     return lambda counts, placement: max(rank_bytes(counts, placement)) <= limit
 
 
-def cost_identity(config: JobConfig, args: Any, tp: int, cp: int) -> dict:
+def cost_identity(config: JobConfig, n_blocks: int, tp: int, cp: int) -> dict:
     """What a measured pipeline cost file must share with the job it plans (pipeline_cost.IDENTITY_KEYS)."""
     m = config.model
     return {"model": f"{m.name} {m.flavor} {dict(sorted(m.overrides.items()))}",
-            "n_layers": getattr(args, "n_layers", None), "seq_len": config.training.seq_len,
+            "n_layers": n_blocks, "seq_len": config.training.seq_len,
             "microbatch_size": config.parallelism.pipeline_parallel_microbatch_size, "tp": tp, "cp": cp,
             "activation_checkpoint": f"{config.activation_checkpoint.mode} {config.activation_checkpoint.selective_ac_option}",
             "dtype": config.training.mixed_precision_param, "attention": m.attn_mask_type}
@@ -320,11 +324,12 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
     p, t, ac = config.parallelism, config.training, config.activation_checkpoint
     tokens = p.pipeline_parallel_microbatch_size * t.seq_len // dims.cp
     dtype = compute_dtype(t.mixed_precision_param, device)
-    send_bytes = tokens * (getattr(args, "dim", 0) or 0) * dtype.itemsize
+    layout = spec.layout(args)
+    send_bytes = tokens * (layout.dim or 0) * dtype.itemsize
     n_blocks = len(model_blocks(whole, spec.layers_attr))
     recompute = [ac.mode == "full" or (ac.mode == "selective" and ac.selective_ac_option != "op"
                                         and i % int(ac.selective_ac_option) == 0) for i in range(n_blocks)]
-    flops = part_flops(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers, seq_len=t.seq_len)
+    flops = part_flops(whole, layout, seq_len=t.seq_len)
     link = dict(send_bytes=send_bytes, link_bytes_per_second=p.pipeline_parallel_link_gbytes_per_second * 1e9,
                 link_latency=p.pipeline_parallel_link_latency_us * 1e-6)
     units = flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute, flops_per_second=None, **link)
@@ -333,7 +338,7 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
     if not p.pipeline_parallel_cost_file:
         return flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute,
                           flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, **link)
-    measured = read_cost_file(p.pipeline_parallel_cost_file, cost_identity(config, args, dims.tp, dims.cp))
+    measured = read_cost_file(p.pipeline_parallel_cost_file, cost_identity(config, n_blocks, dims.tp, dims.cp))
     where = measured["measured"]
     send = where.get("transfer_s", link["link_latency"] + send_bytes / link["link_bytes_per_second"])
     counts = where.get("counts")

@@ -250,7 +250,7 @@ def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program
     units = pipeline_costs(plan.config, plan.spec, plan.model_args, whole, plan.dims, device.type, relative=True)
     return Calibration(
         units=units, plan_costs=plan.pipeline_costs, counts=pipeline.counts,
-        program=program, path=folder / "pipeline_costs.json", identity=cost_identity(plan.config, plan.model_args, plan.dims.tp, plan.dims.cp),
+        program=program, path=folder / "pipeline_costs.json", identity=cost_identity(plan.config, sum(len(s.blocks) for s in pipeline.stages), plan.dims.tp, plan.dims.cp),
         measured={"schedule": pipeline.schedule, "pp": pipeline.pp, "device": device.type,
                   "split_points": pipeline.split_points(plan.spec.layers_attr)},
         layers_attr=plan.spec.layers_attr)

@@ -13,12 +13,17 @@ from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.models.llama import LlamaArgs, Transformer
 from trainer.models.llama.tp_plan import build_tp_plan
+from trainer.models.registry import ModelLayout
 from trainer.parallel.auto_tp import derive_tp_plan
 
 
 def derive(model, tp=2, pre=("tok_embeddings",), post=("norm", "output"), loss_parallel=True):
-    return derive_tp_plan(model, layers_attr="layers", pre=pre, post=post, tp=tp, seq_len=16,
-                          loss_parallel=loss_parallel)
+    return derive_tp_plan(model, layout(model, pre, post), tp=tp, seq_len=16, loss_parallel=loss_parallel)
+
+
+def layout(model, pre=("tok_embeddings",), post=("norm", "output")):
+    """The layout the family's spec would give (these test models keep their args on the model)."""
+    return ModelLayout("layers", pre, post, vocab_size=getattr(getattr(model, "args", None), "vocab_size", None))
 
 
 def meta(cls, *args):
@@ -150,16 +155,15 @@ def test_config_requires_auto_for_a_family_without_a_plan():
 def test_overrides_replace_derived_styles():
     model = meta(Transformer, LlamaArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
                                         multiple_of=32, max_seq_len=16))
-    plan = derive_tp_plan(model, layers_attr="layers", pre=("tok_embeddings",), post=("norm", "output"), tp=2,
-                          seq_len=16, loss_parallel=True,
+    plan = derive_tp_plan(model, layout(model), tp=2, seq_len=16, loss_parallel=True,
                           overrides={"feed_forward.w1": "replicate", "output": "replicate"})
     assert "feed_forward.w1" not in plan.block and plan.replicated["feed_forward.w1"] == "set by tensor_parallel_overrides"
     assert "output" not in plan.top
     with pytest.raises(ConfigError, match=r"tensor_parallel_overrides\] attention.wz: not a Linear of the block"):
-        derive_tp_plan(model, layers_attr="layers", pre=(), post=(), tp=2, seq_len=16, loss_parallel=True,
+        derive_tp_plan(model, layout(model, (), ()), tp=2, seq_len=16, loss_parallel=True,
                        overrides={"attention.wz": "colwise"})
     with pytest.raises(ConfigError, match="got 'columns', expected 'colwise'"):
-        derive_tp_plan(model, layers_attr="layers", pre=(), post=(), tp=2, seq_len=16, loss_parallel=True,
+        derive_tp_plan(model, layout(model, (), ()), tp=2, seq_len=16, loss_parallel=True,
                        overrides={"attention.wq": "columns"})
     with pytest.raises(ConfigError, match='apply to tensor_parallel_plan = "auto" only'):
         load_config(overrides=["--parallelism.tensor_parallel_degree", "2",

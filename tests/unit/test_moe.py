@@ -194,8 +194,7 @@ def test_pipeline_cost_model_counts_the_chosen_experts_only():
 
     with torch.device("meta"):
         model = SPEC.model_cls(TINY)
-    pre, blocks, post = module_costs(model, layers_attr="layers", pre=("tok_embeddings",), post=("norm", "output"),
-                                     mode="flops", seq_len=16)
+    pre, blocks, post = module_costs(model, SPEC.layout(TINY), mode="flops", seq_len=16)
     # forward = a third of training FLOPs, block by block as in flops_per_token
     assert 3 * (pre + sum(blocks) + post) == pytest.approx(SPEC.flops_per_token(TINY, 16))
     expert = 2 * 3 * TINY.dim * TINY.expert_hidden_dim

@@ -184,7 +184,7 @@ def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
     plan = load_plan(PP2_ZBV)
     from trainer.plan import cost_identity
 
-    identity = cost_identity(plan.config, plan.model_args, 1, 1) | {"seq_len": 512}
+    identity = cost_identity(plan.config, plan.model_args.n_layers, 1, 1) | {"seq_len": 512}
     other.write_text(json.dumps({"version": 1, "job": identity, "measured": {}, "fit": {}}))
     with pytest.raises(ConfigError, match=r"measured with seq_len 512, this job has 256 \(\[training\] seq_len\)"):
         load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(other)])

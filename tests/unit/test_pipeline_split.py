@@ -37,9 +37,8 @@ def imbalance(costs):
 def test_cost_balanced_split_beats_even_split_on_8b(stages, mode):
     """Llama 3 8B with its 128k vocabulary: the embedding and output projection are each worth
     more than two blocks of parameters, and the output about two and a half blocks of FLOPs."""
-    model = load_plan(["--model.flavor", "8B", "--training.seq_len", "8192"], check_memory=False).build_model()
-    pre, blocks, post = module_costs(model, layers_attr="layers", pre=LLAMA.pre_layers, post=LLAMA.post_layers,
-                                     mode=mode, seq_len=8192)
+    plan = load_plan(["--model.flavor", "8B", "--training.seq_len", "8192"], check_memory=False)
+    pre, blocks, post = module_costs(plan.build_model(), plan.layout, mode=mode, seq_len=8192)
     even = [32 // stages] * stages
     balanced = balanced_split(pre, blocks, post, stages)
     even_costs = stage_costs(pre, blocks, post, even)

@@ -6,6 +6,7 @@ module in ``[model] modules``; see docs/models.md.
 
 import dataclasses
 import difflib
+from abc import ABC, abstractmethod
 import importlib
 import re
 import typing
@@ -21,31 +22,49 @@ from trainer.config.schema import Model
 from trainer.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class HFAdapter:
-    """How a family's weights map to a Hugging Face transformers checkpoint."""
+class HFAdapter(ABC):
+    """How a family's weights and config map to a Hugging Face transformers checkpoint: subclass it and set
+    ``ModelSpec.hf`` to an instance. The four abstract methods enable export (``[checkpoint] export_hf``,
+    ``convert to-hf``) and loading a safetensors folder; ``from_config`` also lets an imported folder's
+    config.json describe the model."""
 
-    hf_name: Callable[[str], str]
-    """Our parameter name -> the HF name."""
-    to_hf: Callable[[str, Any, Any], Any]
-    """(our name, full tensor, args) -> the tensor in HF layout."""
-    from_hf: Callable[[str, Any, Any], Any]
-    """(our name, HF tensor, args) -> the tensor in our layout."""
-    config: Callable[[Any, Any], dict]
-    """(args, dtype) -> config.json contents."""
-    hf_names: Callable[[str, Any], list[str]] | None = None
-    """(our name, args) -> the HF names when one of our tensors is several of theirs, stacked on dim 0
-    (e.g. one weight for all experts, one per expert in HF); None = [hf_name(name)]."""
-    unsupported: Callable[[Any], str | None] = lambda args: None
-    """args -> why the HF class cannot hold this model (refused at plan time), or None."""
     model_type: str = ""
     """config.json ``model_type`` of the HF class (how an imported folder names its family)."""
-    from_config: Callable[[dict, Any], dict] | None = None
-    """(config.json, the flavor's args) -> our args as ``[model.overrides]`` keys plus ``tie_embeddings``; raises
-    UserError naming the config.json key it cannot compute. None = an imported config.json is not read."""
+
+    @abstractmethod
+    def hf_name(self, name: str) -> str:
+        """Our parameter name -> the HF name."""
+
+    @abstractmethod
+    def to_hf(self, name: str, tensor: torch.Tensor, args: Any) -> torch.Tensor:
+        """(our name, full tensor, args) -> the tensor in HF layout."""
+
+    @abstractmethod
+    def from_hf(self, name: str, tensor: torch.Tensor, args: Any) -> torch.Tensor:
+        """(our name, HF tensor, args) -> the tensor in our layout."""
+
+    @abstractmethod
+    def config(self, args: Any, dtype: torch.dtype) -> dict:
+        """(args, dtype) -> config.json contents."""
 
     def names(self, name: str, args: Any) -> list[str]:
-        return self.hf_names(name, args) if self.hf_names is not None else [self.hf_name(name)]
+        """The HF names of one of our tensors: several when it is several of theirs stacked on dim 0 (e.g. one
+        weight for all experts, one per expert in HF)."""
+        return [self.hf_name(name)]
+
+    def unsupported(self, args: Any) -> str | None:
+        """Why the HF class cannot hold a model built from ``args`` (refused at plan time), or None."""
+        return None
+
+    def from_config(self, config: dict, base: Any) -> dict:
+        """(config.json, the flavor's args) -> our args as ``[model.overrides]`` keys plus ``tie_embeddings``;
+        raises UserError naming the config.json key it cannot compute. Not overridden: an imported
+        config.json is not read (``reads_config``)."""
+        raise NotImplementedError
+
+    @property
+    def reads_config(self) -> bool:
+        return type(self).from_config is not HFAdapter.from_config
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,24 @@ class ActivationBytes:
     """Under block-causal attention, what every pipeline stage keeps once for its blocks besides the mask
     (e.g. the rotary table gathered per token); the mask itself (seq_len values in the compute dtype per
     token) is counted by trainer/activation_memory.py."""
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Where generic code (pipeline split and costs, automatic TP, FSDP units, stage shapes) finds things in
+    a model built from one family's args, so that it never reads the family's args by field name."""
+
+    blocks: str = "layers"
+    """The container of repeated blocks (``ModelSpec.layers_attr``)."""
+    pre: tuple[str, ...] = ()
+    """Top-level modules before the blocks."""
+    post: tuple[str, ...] = ()
+    """Top-level modules after the blocks."""
+    dim: int | None = None
+    """Hidden size: the width of the activations passed between blocks (None: unknown)."""
+    vocab_size: int | None = None
+    tied: dict[str, str] = field(default_factory=dict)
+    """{alias: canonical} names of tied weights (empty when untied)."""
 
 
 def _size_rotary_table(args: Any, seq_len: int) -> Any:
@@ -106,6 +143,9 @@ class ModelSpec:
     """(args, seq_len) -> the args to build for training sequences of seq_len (e.g. rotary table length)."""
     vocab_size: Callable[[Any], int] = lambda args: args.vocab_size
     """args -> vocabulary size (the tokenizer is cut to it)."""
+    hidden_dim: Callable[[Any], int | None] = lambda args: getattr(args, "dim", None)
+    """args -> the width of the activations between blocks (pipeline transfers, attention FLOPs, stage
+    shapes); the default reads a ``dim`` field, None when there is none."""
     tp_divisible: Callable[[Any], dict[str, int]] = lambda args: {}
     """args -> {name: count} that the tensor-parallel degree must divide (e.g. attention heads)."""
     validate_args: Callable[[Any], None] | None = None
@@ -132,6 +172,11 @@ class ModelSpec:
     def tied_aliases(self, args: Any) -> dict[str, str]:
         """{alias: canonical} of the weights tied in a model built from ``args`` (empty when untied)."""
         return self.tied_weights if getattr(args, "tie_embeddings", False) else {}
+
+    def layout(self, args: Any) -> ModelLayout:
+        """Where generic code finds the blocks, pre/post modules, sizes and tied weights of a model of ``args``."""
+        return ModelLayout(self.layers_attr, self.pre_layers, self.post_layers, self.hidden_dim(args),
+                           self.vocab_size(args), self.tied_aliases(args))
 
     def meta_model(self, args: Any) -> nn.Module:
         """The whole model on the meta device, without running its modules' default initialisers

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.models.registry import model_blocks
+from trainer.models.registry import ModelLayout, model_blocks
 
 if TYPE_CHECKING:  # DTensor is imported where it is used (a run without TP starts ~0.5 s sooner)
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -123,15 +123,15 @@ def _apply_overrides(plan: TPPlan, overrides: dict, block: nn.Module, top_names:
             target[name] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
 
 
-def derive_tp_plan(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], post: tuple[str, ...],
-                   tp: int, seq_len: int, loss_parallel: bool, overrides: dict | None = None) -> TPPlan:
+def derive_tp_plan(model: nn.Module, layout: ModelLayout, *, tp: int, seq_len: int, loss_parallel: bool,
+                   overrides: dict | None = None) -> TPPlan:
     """A plan for ``model`` (whole, on the meta device), with ``overrides`` applied; raises ConfigError
     if a split Linear cannot be divided by ``tp``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = TPPlan()
-    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    vocab, layers_attr, pre, post = layout.vocab_size, layout.blocks, layout.pre, layout.post
     for name in pre:
         mod = getattr(model, name, None)
         if isinstance(mod, nn.Embedding) and mod.num_embeddings == vocab:

@@ -7,6 +7,7 @@ from torch import nn
 from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec
+from trainer.models.registry import ModelLayout
 from trainer.parallel.ac import ActivationCheckpointing
 from trainer.parallel.auto_tp import TPPlan, derive_tp_plan
 from trainer.parallel.compile import Compile
@@ -21,10 +22,12 @@ from trainer.parallel.tp import TensorParallel
 logger = logging.getLogger(__name__)
 
 
-def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism: Parallelism, *, seq_len: int) -> TPPlan | None:
+def resolve_tp_plan(spec: ModelSpec, layout: ModelLayout, whole: nn.Module, parallelism: Parallelism, *,
+                    seq_len: int) -> TPPlan | None:
     """The TP plan for ``[parallelism]``, from the family or derived; None without TP.
 
-    ``whole`` is the complete model on the meta device (derivation runs one meta forward).
+    ``whole`` is the complete model on the meta device (derivation runs one meta forward), ``layout`` its
+    ``ModelSpec.layout``.
     """
     tp = parallelism.tensor_parallel_degree
     if tp == 1:
@@ -36,8 +39,7 @@ def resolve_tp_plan(spec: ModelSpec, whole: nn.Module, parallelism: Parallelism,
                               " plan; set tensor_parallel_plan = \"model\"")
         if parallelism.enable_sequence_parallel:
             logger.warning("[parallelism] enable_sequence_parallel is not applied with tensor_parallel_plan = auto")
-        return derive_tp_plan(whole, layers_attr=spec.layers_attr, pre=spec.pre_layers, post=spec.post_layers,
-                              tp=tp, seq_len=seq_len, loss_parallel=loss_parallel,
+        return derive_tp_plan(whole, layout, tp=tp, seq_len=seq_len, loss_parallel=loss_parallel,
                               overrides=parallelism.tensor_parallel_overrides)
     if spec.build_tp_plan is None:
         raise ConfigError(

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError
-from trainer.models.registry import model_blocks
+from trainer.models.registry import ModelLayout, model_blocks
 
 KINDS = ("F", "B", "I", "W")
 COST_FILE_KEY = "[parallelism] pipeline_parallel_cost_file"
@@ -81,14 +81,13 @@ class PartCosts:
         return table
 
 
-def part_flops(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], post: tuple[str, ...],
-               seq_len: int) -> list[tuple[float, float]]:
+def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[tuple[float, float]]:
     """(matmul FLOPs, attention-score FLOPs) of one token's forward through each part: pre, each block, post.
 
     Matmuls: 2 per weight of each Linear (embedding lookups are free) plus what modules with a
     ``forward_flops_per_token()`` method report (routed experts: the k chosen). Attention scores:
-    4 * dim * seq_len per block when the model's args have a ``dim``."""
-    dim = getattr(getattr(model, "args", None), "dim", None)
+    4 * dim * seq_len per block when the layout knows the hidden size."""
+    dim = layout.dim
 
     def matmuls(modules: list[nn.Module]) -> float:
         total = 0.0
@@ -100,8 +99,8 @@ def part_flops(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], post
     def present(names: tuple[str, ...]) -> list[nn.Module]:
         return [getattr(model, n) for n in names if getattr(model, n, None) is not None]
 
-    blocks = [(matmuls([b]), 4.0 * dim * seq_len if dim else 0.0) for b in model_blocks(model, layers_attr).values()]
-    return [(matmuls(present(pre)), 0.0), *blocks, (matmuls(present(post)), 0.0)]
+    blocks = [(matmuls([b]), 4.0 * dim * seq_len if dim else 0.0) for b in model_blocks(model, layout.blocks).values()]
+    return [(matmuls(present(layout.pre)), 0.0), *blocks, (matmuls(present(layout.post)), 0.0)]
 
 
 def flop_costs(flops: list[tuple[float, float]], *, tokens: float, tp: int, recompute: list[bool],

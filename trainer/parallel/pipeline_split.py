@@ -16,7 +16,7 @@ from torch import nn
 from trainer.config.schedules import CSV, CSV_NAME, SCHEDULES, ScheduleTraits, traits_of
 from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
-from trainer.models.registry import model_blocks
+from trainer.models.registry import ModelLayout, model_blocks
 from trainer.parallel.pipeline_cost import PartCosts, part_flops
 from trainer.parallel.pipeline_planner import Simulator, SplitSearch, search_splits
 from trainer.parallel.schedule_sim import check_csv, check_schedule, csv_rows, program_for
@@ -82,23 +82,22 @@ class PipelinePlan:
         return [f"{layers_attr}.{s.blocks[0]}" for s in self.stages[1:]]
 
 
-def module_costs(model: nn.Module, *, layers_attr: str, pre: tuple[str, ...], post: tuple[str, ...],
-                 mode: Literal["flops", "params"], seq_len: int) -> tuple[float, list[float], float]:
+def module_costs(model: nn.Module, layout: ModelLayout, *, mode: Literal["flops", "params"],
+                 seq_len: int) -> tuple[float, list[float], float]:
     """(cost of pre-layers, cost of each block, cost of post-layers) of a meta-device model.
 
     params: number of parameters (memory). flops: forward FLOPs per token (``pipeline_cost.part_flops``:
     matmuls and attention scores)."""
     if mode == "flops":
-        parts = [mm + attn for mm, attn in part_flops(model, layers_attr=layers_attr, pre=pre, post=post,
-                                                      seq_len=seq_len)]
+        parts = [mm + attn for mm, attn in part_flops(model, layout, seq_len=seq_len)]
         return parts[0], parts[1:-1], parts[-1]
 
     def count(names: tuple[str, ...]) -> float:
         return float(sum(p.numel() for n in names if getattr(model, n, None) is not None
                          for p in getattr(model, n).parameters()))
 
-    blocks = [float(sum(p.numel() for p in b.parameters())) for b in model_blocks(model, layers_attr).values()]
-    return count(pre), blocks, count(post)
+    blocks = [float(sum(p.numel() for p in b.parameters())) for b in model_blocks(model, layout.blocks).values()]
+    return count(layout.pre), blocks, count(layout.post)
 
 
 def balanced_split(pre: float, blocks: list[float], post: float, num_stages: int) -> list[int]:
@@ -154,8 +153,8 @@ def num_stages_for(parallelism: Parallelism, traits: ScheduleTraits, n_layers: i
     return pp if traits.stages_per_rank == "one" else 2 * pp
 
 
-def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_attr: str, pre: tuple[str, ...],
-                        post: tuple[str, ...], seq_len: int, n_microbatches: int,
+def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, layout: ModelLayout, *, seq_len: int,
+                        n_microbatches: int,
                         costs: Callable[[], PartCosts] | None = None,
                         fits: Callable[[tuple[int, ...], list[list[int]]], bool] | None = None) -> PipelinePlan:
     """Validate the pipeline keys against the model and the schedule, and decide every stage's blocks.
@@ -164,6 +163,7 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_at
     runs); ``fits(counts, placement)``: whether every rank of a split fits the memory limit (None: no limit)."""
     pp = parallelism.pipeline_parallel_degree
     schedule, traits = schedule_traits(parallelism)
+    layers_attr = layout.blocks
     block_keys = list(model_blocks(model, layers_attr))
     n_layers = len(block_keys)
     points = parallelism.pipeline_parallel_split_points
@@ -230,8 +230,7 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, *, layers_at
             pre_c, block_c, post_c = (parallelism.pipeline_parallel_embedding_weight, [1.0] * n_layers,
                                       parallelism.pipeline_parallel_output_weight)
         else:
-            pre_c, block_c, post_c = module_costs(model, layers_attr=layers_attr, pre=pre, post=post,
-                                                  mode=mode, seq_len=seq_len)
+            pre_c, block_c, post_c = module_costs(model, layout, mode=mode, seq_len=seq_len)
         counts = balanced_split(pre_c, block_c, post_c, num_stages)
     stages, start = [], 0
     for s, c in enumerate(counts):

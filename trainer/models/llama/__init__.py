@@ -3,7 +3,7 @@
 from trainer.models.llama import hf
 from trainer.models.llama.args import FLAVORS, LlamaArgs, validate_llama_args
 from trainer.models.llama.model import TIED_WEIGHTS, Transformer, llama_activation_bytes, llama_flops_per_token
-from trainer.models.registry import HFAdapter, ModelSpec, register_model
+from trainer.models.registry import ModelSpec, register_model
 
 
 def build_tp_plan(**kwargs):
@@ -26,8 +26,7 @@ register_model(
         documents=True,
         activation_bytes=llama_activation_bytes,
         validate_args=validate_llama_args,
-        hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config,
-                     model_type="llama", from_config=hf.from_config),
+        hf=hf.LlamaHF(),
     )
 )
 

@@ -10,6 +10,7 @@ import re
 import torch
 
 from trainer.errors import UserError
+from trainer.models.registry import HFAdapter
 from trainer.models.llama.args import LlamaArgs
 
 _LAYER = {
@@ -131,3 +132,12 @@ def from_config(config: dict, base: LlamaArgs) -> dict:
             "norm_eps": float(config.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta(config),
             **ffn_args(require(config, "intermediate_size"), dim, base),
             "tie_embeddings": bool(config.get("tie_word_embeddings", False))}
+
+
+class LlamaHF(HFAdapter):
+    model_type = "llama"
+    hf_name = staticmethod(hf_name)
+    to_hf = staticmethod(to_hf)
+    from_hf = staticmethod(from_hf)
+    config = staticmethod(hf_config)
+    from_config = staticmethod(from_config)

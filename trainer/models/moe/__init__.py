@@ -4,7 +4,7 @@ from trainer.models.llama.model import TIED_WEIGHTS
 from trainer.models.moe import hf
 from trainer.models.moe.args import FLAVORS, MoEArgs, validate_moe_args
 from trainer.models.moe.model import MoE, MoETransformer, moe_activation_bytes, moe_after_step, moe_flops_per_token
-from trainer.models.registry import HFAdapter, ModelSpec, register_model
+from trainer.models.registry import ModelSpec, register_model
 
 
 def build_tp_plan(**kwargs):
@@ -30,8 +30,7 @@ register_model(
         validate_args=validate_moe_args,
         after_step=moe_after_step,
         num_experts=lambda args: args.n_experts,
-        hf=HFAdapter(hf_name=hf.hf_name, to_hf=hf.to_hf, from_hf=hf.from_hf, config=hf.hf_config,
-                     hf_names=hf.hf_names, unsupported=hf.unsupported, model_type="qwen3_moe", from_config=hf.from_config),
+        hf=hf.MoEHF(),
     )
 )
 

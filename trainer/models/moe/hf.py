@@ -12,6 +12,7 @@ import re
 import torch
 
 from trainer.errors import UserError
+from trainer.models.registry import HFAdapter
 from trainer.models.llama import hf as llama_hf
 from trainer.models.moe.args import MoEArgs
 
@@ -121,3 +122,14 @@ def from_config(config: dict, base: MoEArgs) -> dict:
             "top_k": require(config, "num_experts_per_tok"), "norm_topk": bool(config.get("norm_topk_prob", False)),
             "n_shared_experts": 0, "score_func": "softmax", "route_scale": 1.0, "bias_update_speed": 0.0,
             "tie_embeddings": bool(config.get("tie_word_embeddings", False))}
+
+
+class MoEHF(HFAdapter):
+    model_type = "qwen3_moe"
+    hf_name = staticmethod(hf_name)
+    to_hf = staticmethod(to_hf)
+    from_hf = staticmethod(from_hf)
+    config = staticmethod(hf_config)
+    names = staticmethod(hf_names)
+    unsupported = staticmethod(unsupported)
+    from_config = staticmethod(from_config)
