@@ -20,27 +20,7 @@ checkpointing, and custom CSV schedules.
 
 from dataclasses import dataclass
 
-import torch
-
-from trainer.parallel.schedule_sim import _flatten, schedule_ops
-
-
-def activation_peaks(plan, device_type: str) -> list[float] | str:
-    """Estimated peak bytes of saved activations on each pipeline rank when the job runs on ``device_type``
-    devices (the compute dtype follows ``[training] mixed_precision_param``), or why there is no estimate."""
-    per_part = part_activations(plan.config, plan.spec, plan.model_args, plan.dims,
-                                plan.compute_dtype(torch.device(device_type)).itemsize)
-    if isinstance(per_part, str):
-        return per_part
-    pipeline = plan.pipeline
-    if pipeline is None:
-        tokens = plan.config.training.local_batch_size * plan.config.training.seq_len
-        return [tokens * (sum(per_part.kept) + per_part.stage + max(per_part.recompute))]
-    if pipeline.traits.from_file:
-        return "not modelled for CSV schedules"
-    ops = schedule_ops(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank)
-    return rank_peaks(per_part, [len(s.blocks) for s in pipeline.stages], ops,
-                      plan.config.parallelism.pipeline_parallel_microbatch_size * plan.config.training.seq_len)
+from trainer.parallel.schedule_sim import _flatten
 
 
 @dataclass(frozen=True)
@@ -54,16 +34,19 @@ class PartActivations:
     """What every pipeline stage keeps once per microbatch besides its parts (the document mask)."""
 
 
-def part_activations(config, spec, args, dims, dtype_bytes: int) -> PartActivations | str:
-    """Per-token activation bytes of each part, or why there is no estimate."""
+def part_activations(spec, args, dims, dtype_bytes: int, *, activation_checkpoint, parallelism, seq_len: int,
+                     attn_mask_type: str) -> PartActivations | str:
+    """Per-token activation bytes of each part, or why there is no estimate. ``spec``, ``args``, ``dims``: the
+    plan's family, its args and the parallel degrees; ``activation_checkpoint`` and ``parallelism`` are those
+    config sections, ``attn_mask_type`` is ``[model] attn_mask_type``."""
     if spec.activation_bytes is None:
         return f"model family {spec.name} does not declare ModelSpec.activation_bytes"
     if dims.cp > 1:
         return "not modelled under context parallelism"
-    ac = config.activation_checkpoint
+    ac = activation_checkpoint
     if ac.mode == "selective" and ac.selective_ac_option == "op":
         return "not modelled for per-op selective checkpointing"
-    p, tp = config.parallelism, dims.tp
+    p, tp = parallelism, dims.tp
     per_token = spec.activation_bytes(
         args, dtype_bytes=dtype_bytes, tp=tp,
         sequence_parallel=tp > 1 and p.enable_sequence_parallel and p.tensor_parallel_plan != "auto",
@@ -76,7 +59,7 @@ def part_activations(config, spec, args, dims, dtype_bytes: int) -> PartActivati
     recompute = [a - per_token.block_input if c else 0.0 for a, c in zip(blocks, checkpointed, strict=True)]
     # Block-causal attention: each stage builds one additive mask (seq_len values per token, in the compute
     # dtype) and the per-token rotary table, shared by its blocks (kept in full where a window holds a boundary).
-    stage = config.training.seq_len * dtype_bytes + per_token.documents if config.model.attn_mask_type == "block_causal" else 0.0
+    stage = seq_len * dtype_bytes + per_token.documents if attn_mask_type == "block_causal" else 0.0
     return PartActivations((per_token.pre, *kept, per_token.post), (0.0, *recompute, 0.0), stage)
 
 

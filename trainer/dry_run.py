@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 
-from trainer.activation_memory import activation_peaks
 from trainer.config.validate import mix_entries
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
 from trainer.parallel.pipeline_planner import Simulator, search_splits
@@ -84,7 +83,7 @@ def describe_plan(plan: JobPlan) -> str:
         lines += plan.tp_plan.describe()
     pipeline = plan.pipeline
     plan.check_traced_dtype(torch.device(DEVICE))  # what the launch on accelerators would refuse
-    activations = activation_peaks(plan, DEVICE)
+    activations = plan.activation_peaks(DEVICE)
     dtype = str(plan.compute_dtype(torch.device(DEVICE))).removeprefix("torch.")
     if isinstance(activations, str):
         act_note = f"activations not estimated: {activations}"

@@ -12,13 +12,12 @@ from torch import nn
 
 from trainer import loss as loss_mod
 from trainer.dtensor import local_tensor
-from trainer.dtypes import torch_dtype
 from trainer.models.init import materialize_
 from trainer.parallel.mesh import Meshes
 from trainer.parallel.parallelize import build_techniques
 from trainer.parallel.pipeline import build_chunk, build_schedule, manual_stages, trace_pipeline, traced_stages
 from trainer.parallel.pipeline_split import PipelinePlan
-from trainer.parallel.technique import ChunkSetup, Technique
+from trainer.parallel.technique import Technique
 from trainer.plan import JobPlan
 
 logger = logging.getLogger(__name__)
@@ -145,7 +144,7 @@ def _tied_pair_group(meshes: Meshes) -> dist.ProcessGroup:
 
 def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> ModelParts:
     """This rank's chunks: one meta-device model build per chunk, then TP/AC/compile/FSDP, then weights."""
-    config, spec, pipeline = plan.config, plan.spec, plan.pipeline
+    spec, pipeline = plan.spec, plan.pipeline
     traced = None  # torch's Pipe, with the tracer front-end
     if pipeline is None:
         chunks, stage_ids = [plan.build_model()], []
@@ -156,11 +155,11 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
             # The tracer needs real tensors: the whole model is initialised on CPU (as one process
             # would: same values), traced, and this rank keeps its stages' submodules.
             whole = plan.build_model()
-            materialize_(whole, torch.device("cpu"), config.debug.seed)
+            materialize_(whole, torch.device("cpu"), plan.seed)
             whole.train()
-            mb = config.parallelism.pipeline_parallel_microbatch_size
+            mb = plan.microbatch_size
             traced = trace_pipeline(whole, pipeline, spec.layers_attr,
-                                    torch.zeros(mb, config.training.seq_len, dtype=torch.long))
+                                    torch.zeros(mb, plan.seq_len, dtype=torch.long))
             del whole
             chunks = [traced.get_stage_module(i) for i in stage_ids]
         else:
@@ -168,19 +167,15 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
         logger.info("pipeline: %s (%s front-end), stages %s on this rank, split points %s", pipeline.schedule,
                     "tracer" if plan.traced else "manual", stage_ids, pipeline.split_points(spec.layers_attr))
     parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids, after_step_hook=spec.after_step,
-                       stage_batch=config.parallelism.pipeline_parallel_microbatch_size if plan.traced else None)
-    parts.techniques = build_techniques(ChunkSetup(
-        meshes=meshes, spec=spec, parallelism=config.parallelism, activation_checkpoint=config.activation_checkpoint,
-        tp_plan=plan.tp_plan, seq_len=config.training.seq_len, param_dtype=plan.compute_dtype(device),
-        reduce_dtype=torch_dtype(config.training.mixed_precision_reduce), compile_enabled=config.compile.enable,
-        pipelined=pipeline is not None))
+                       stage_batch=plan.microbatch_size if plan.traced else None)
+    parts.techniques = build_techniques(plan.chunk_setup(meshes, device))
     for chunk in chunks:
         if traced is not None:
             chunk.to(device)  # already initialised; FSDP shards what it finds
         for technique in parts.techniques:
             technique.apply(chunk)
         if traced is None:
-            materialize_(chunk, device, config.debug.seed)
+            materialize_(chunk, device, plan.seed)
         for technique in parts.techniques:
             technique.after_materialize(chunk)
         chunk.train()
@@ -204,7 +199,7 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
                                example_args=_stage_examples(plan, device) if meshes.ep is not None else None)
     if pipeline is not None:
         parts.schedule = build_schedule(pipeline, stages, n_microbatches=plan.n_microbatches, loss_fn=summed_loss,
-                                        csv_path=config.parallelism.pipeline_parallel_schedule_csv)
+                                        csv_path=plan.schedule_csv)
     return parts
 
 
@@ -212,7 +207,7 @@ def _stage_examples(plan: JobPlan, device: torch.device):
     """(inputs, outputs) of each pipeline stage, as torch's PipelineStage takes them to skip its metadata
     inference: with expert parallelism the inference's forward and backward run all-to-alls that the
     expert-parallel peers do not join in the same order (seen to hang on torch 2.13)."""
-    mb, seq = plan.config.parallelism.pipeline_parallel_microbatch_size, plan.config.training.seq_len
+    mb, seq = plan.microbatch_size, plan.seq_len
     dtype, dim = plan.compute_dtype(device), plan.layout.dim
     # Floating examples require grad: torch derives from them which gradients travel between stages.
     hidden = torch.empty(mb, seq, dim, dtype=dtype, device=device, requires_grad=True)

@@ -32,7 +32,7 @@ from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs, schedule_traits
 from trainer.parallel.pipeline_cost import PartCosts, flop_costs, part_flops, read_cost_file, calibrated_costs
 from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
-from trainer.parallel.technique import PlanFacts
+from trainer.parallel.technique import ChunkSetup, PlanFacts
 
 logger = logging.getLogger(__name__)
 MIN_TIKTOKEN_VOCAB = 256 + 2  # byte tokens + trainer.data.tokenizer.NUM_SPECIAL (not imported: the launcher stays light)
@@ -78,6 +78,52 @@ class JobPlan:
     def traced(self) -> bool:
         """Whether pipeline stages come from torch's tracer (``pipeline_parallel_frontend = "tracer"``)."""
         return self.pipeline is not None and self.config.parallelism.pipeline_parallel_frontend == "tracer"
+
+    # What the rank's build (trainer.model_parts) needs from the config, so that it never reads the config.
+    @property
+    def seed(self) -> int:
+        return self.config.debug.seed
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.training.seq_len
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per pipeline microbatch (``pipeline_parallel_microbatch_size``)."""
+        return self.config.parallelism.pipeline_parallel_microbatch_size
+
+    @property
+    def schedule_csv(self) -> str:
+        return self.config.parallelism.pipeline_parallel_schedule_csv
+
+    def chunk_setup(self, meshes, device: torch.device) -> ChunkSetup:
+        """What this rank's techniques are built from: their own config sections and the plan's derived values."""
+        c = self.config
+        return ChunkSetup(meshes=meshes, spec=self.spec, parallelism=c.parallelism,
+                          activation_checkpoint=c.activation_checkpoint, tp_plan=self.tp_plan, seq_len=self.seq_len,
+                          param_dtype=self.compute_dtype(device), reduce_dtype=torch_dtype(c.training.mixed_precision_reduce),
+                          compile_enabled=c.compile.enable, pipelined=self.pipeline is not None)
+
+    def activation_peaks(self, device_type: str) -> list[float] | str:
+        """Estimated peak bytes of saved activations on each pipeline rank when the job runs on ``device_type``
+        devices (the compute dtype follows ``[training] mixed_precision_param``), or why there is no estimate
+        (trainer.activation_memory)."""
+        from trainer.activation_memory import part_activations, rank_peaks
+
+        per_part = part_activations(self.spec, self.model_args, self.dims,
+                                    self.compute_dtype(torch.device(device_type)).itemsize,
+                                    **activation_sections(self.config))
+        if isinstance(per_part, str):
+            return per_part
+        pipeline = self.pipeline
+        if pipeline is None:
+            tokens = self.config.training.local_batch_size * self.seq_len
+            return [tokens * (sum(per_part.kept) + per_part.stage + max(per_part.recompute))]
+        if pipeline.traits.from_file:
+            return "not modelled for CSV schedules"
+        ops = schedule_ops(pipeline.schedule, pipeline.pp, self.n_microbatches, pipeline.stages_per_rank)
+        return rank_peaks(per_part, [len(s.blocks) for s in pipeline.stages], ops, self.microbatch_size * self.seq_len)
 
     @property
     def layout(self) -> ModelLayout:
@@ -347,6 +393,12 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
                                    f" {where.get('device')}, split {where.get('split_points')})")
 
 
+def activation_sections(config: JobConfig) -> dict:
+    """What the activation estimate (trainer.activation_memory.part_activations) reads of the config."""
+    return dict(activation_checkpoint=config.activation_checkpoint, parallelism=config.parallelism,
+                seq_len=config.training.seq_len, attn_mask_type=config.model.attn_mask_type)
+
+
 def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims, device: str,
                  n_micro: int):
     """``rank_bytes(counts, placement)``: each pipeline rank's state + activation bytes for stages of ``counts``
@@ -359,8 +411,8 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
               *(sum(x.numel() for x in b.parameters()) for b in model_blocks(whole, spec.layers_attr).values()),
               sum(x.numel() for m in present(spec.post_layers) for x in m.parameters())]
     split = dims.dp_shard * dims.cp * dims.tp
-    per_part = part_activations(config, spec, args, dims, compute_dtype(config.training.mixed_precision_param,
-                                                                        device).itemsize)
+    per_part = part_activations(spec, args, dims, compute_dtype(config.training.mixed_precision_param, device).itemsize,
+                                **activation_sections(config))
     schedule, traits = schedule_traits(p)
     tokens = p.pipeline_parallel_microbatch_size * config.training.seq_len
 

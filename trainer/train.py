@@ -20,7 +20,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from trainer.activation_memory import activation_peaks
 from trainer.checkpoint import Checkpointer, GlobalBatch
 from trainer.config import JobConfig, to_toml
 from trainer.config.validate import output_folders
@@ -282,7 +281,7 @@ def report_activation_peaks(run: Trainer, step: int, peak: int) -> list[int]:
         peaks = [0] * dist.get_world_size()
         dist.all_gather_object(peaks, peak)
     if not dist.is_initialized() or dist.get_rank() == run.plan.reporting_rank:
-        estimate = activation_peaks(run.plan, run.device.type)
+        estimate = run.plan.activation_peaks(run.device.type)
         per_pp = run.plan.dims.world_size // run.plan.dims.pp  # global ranks per pipeline rank (pp is outermost)
         for pp_rank in range(run.plan.dims.pp):
             measured = max(peaks[pp_rank * per_pp:(pp_rank + 1) * per_pp])

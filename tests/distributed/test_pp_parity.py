@@ -12,7 +12,6 @@ import pytest
 from tests.conftest import load_plan
 from tests.distributed.harness import CAUSAL, PARITY, Launches, selected
 from tests.parity import assert_parity, record
-from trainer.activation_memory import activation_peaks
 from trainer.config import load_config
 from trainer.parallel.schedule_sim import schedule_ops
 
@@ -143,14 +142,15 @@ def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float 
     import dataclasses
 
     from trainer.activation_memory import part_activations, rank_peaks
+    from trainer.plan import activation_sections
     from trainer.parallel.schedule_sim import schedule_ops
 
-    parts = part_activations(plan.config, plan.spec, plan.model_args, plan.dims, 4)
+    parts = part_activations(plan.spec, plan.model_args, plan.dims, 4, **activation_sections(plan.config))
     p = plan.pipeline
     if p is None:  # one microbatch alive at a time (no checkpointing in these cases)
         tokens = plan.config.training.local_batch_size * plan.config.training.seq_len
         upper, lower = [tokens * (sum(parts.kept) + parts.stage)], [tokens * sum(parts.kept)]
-        assert upper == pytest.approx(activation_peaks(plan, "cpu"), rel=1e-12)
+        assert upper == pytest.approx(plan.activation_peaks("cpu"), rel=1e-12)
         _check_between(measured, lower, upper, nproc, 1, rel)
         return
     ops = schedule_ops(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank)
@@ -163,7 +163,7 @@ def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float 
     if plan.config.activation_checkpoint.mode != "none":
         assert all(e > k for e, k in zip(full, upper))  # the recompute term is there
     else:
-        assert upper == pytest.approx(activation_peaks(plan, "cpu"), rel=1e-12)  # what the dry run shows
+        assert upper == pytest.approx(plan.activation_peaks("cpu"), rel=1e-12)  # what the dry run shows
     _check_between(measured, lower, upper, nproc, plan.dims.pp, rel)
 
 

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from tests.conftest import load_plan
-from trainer.activation_memory import activation_peaks
 from trainer.config import load_config
 from trainer.profiling import SavedActivationMeter
 
@@ -55,7 +54,7 @@ def test_the_estimate_of_one_process_equals_what_autograd_saves(tmp_path, overri
             "--profiling.activation_memory_steps", "1", "--validation.no-enable", "--metrics.no-enable_tensorboard",
             "--job.dump_folder", str(tmp_path), *overrides]
     result = main(load_config(overrides=args))
-    (estimate,) = activation_peaks(load_plan(args), "cpu")
+    (estimate,) = load_plan(args).activation_peaks("cpu")
     (measured,) = result.activation_peaks[1]
     assert estimate == pytest.approx(measured, rel=1e-3)  # read from the same operations: equal up to a few bytes
 
@@ -74,7 +73,7 @@ def test_the_checkpointing_terms_of_the_estimate_match_what_autograd_saves(tmp_p
                 "--profiling.activation_memory_steps", "1", "--validation.no-enable", "--metrics.no-enable_tensorboard",
                 "--model.attn_mask_type", "causal", "--job.dump_folder", str(tmp_path / str(len(overrides))), *overrides]
         (measured,) = main(load_config(overrides=args)).activation_peaks[1]
-        (estimate,) = activation_peaks(load_plan(args), "cpu")
+        (estimate,) = load_plan(args).activation_peaks("cpu")
         return measured, estimate
 
     plain, _ = run()

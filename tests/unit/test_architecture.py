@@ -140,3 +140,20 @@ def test_only_the_schedule_table_names_a_schedule():
             if isinstance(node, ast.Constant) and node.value in names:
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value!r}")
     assert found == []
+
+
+def test_only_the_plan_and_the_assembly_read_the_whole_config():
+    """Components receive their own sections and the plan's derived values: ``<plan>.config`` is read only by
+    the plan itself, the trainer assembly (train.py) and the dry run, which print or hand out sections."""
+    allowed = {"plan.py", "train.py", "dry_run.py"}
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).as_posix() in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "config":
+                owner = node.value
+                name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+                if name == "plan":
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert found == []

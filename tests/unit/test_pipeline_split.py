@@ -310,7 +310,6 @@ def test_dry_run_shows_state_and_activations_per_rank():
     rank 0 holds 2 microbatches of stage 0 in flight, rank 1 one of stage 1 (derived from the Llama per-token
     bytes and the schedule, as trainer/activation_memory.py documents). Each stage also keeps its document
     mask (256 bf16 values per token) and rotary table per token (block-causal attention, the default)."""
-    from trainer.activation_memory import activation_peaks
 
     plan = load_plan(pp(2))
     text = describe_plan(plan)
@@ -319,7 +318,7 @@ def test_dry_run_shows_state_and_activations_per_rank():
     documents = tokens * 2 + per_token.documents
     stage0 = tokens * (per_token.pre + sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[0].blocks) + documents)
     stage1 = tokens * (sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[1].blocks) + per_token.post + documents)
-    assert activation_peaks(plan, "cuda") == pytest.approx([2 * stage0, stage1])
+    assert plan.activation_peaks("cuda") == pytest.approx([2 * stage0, stage1])
     assert "state GiB  activations GiB  total GiB" in text
     assert f"{2 * stage0 / 2**30:.2f}" in text.split("activations GiB")[1]
     assert "bfloat16 compute on accelerators" in text
