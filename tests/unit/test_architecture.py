@@ -157,3 +157,70 @@ def test_only_the_plan_and_the_assembly_read_the_whole_config():
                 if name == "plan":
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert found == []
+
+
+# Private torch APIs (names with a leading underscore) the package relies on: each is used by exactly one module,
+# as narrowly as it can be, and is a row of docs/architecture.md's "Torch seams" table with the version it was
+# checked on. A new one fails here until it is listed in both.
+TORCH_SEAMS = {
+    "torch._grouped_mm": "models/moe/model.py",
+    "torch._C._current_graph_task_id": "models/moe/model.py",
+    "_last_lr": "optim.py",
+    "torch.overrides._get_current_function_mode_stack": "parallel/ac.py",
+    "torch.ops.profiler._record_function_*, _RecordFunction": "parallel/ac.py",
+    "torch.ops.aten._scaled_dot_product_*": "parallel/ac.py",
+    "torch._foreach_mul_": "train.py parallel/clip.py",
+    "torch.distributed._functional_collectives": "parallel/cp.py parallel/ep.py",
+    "torch.distributed._composable.replicate": "parallel/ddp.py",
+    "torch.distributed.distributed_c10d._set_pg_timeout, _world": "parallel/mesh.py",
+    "DeviceMesh._flatten": "parallel/mesh.py",
+    "torch.distributed.pipelining.schedules._PipelineSchedule, _PipelineScheduleRuntime, _load_csv, _stage, _stages":
+        "parallel/pipeline.py",
+    "torch.distributed.pipelining.stage._PipelineStage, _get_init_p2p_neighbors_ops": "parallel/pipeline.py",
+    "nn.Module._non_persistent_buffers_set, nn.modules._BatchNorm, _DropoutNd": "parallel/pipeline.py",
+    "torch.distributed.pipelining._schedule_visualizer": "parallel/schedule_sim.py",
+    "torch.utils._python_dispatch, Tensor._base": "profiling/activations.py",
+    "torch.cuda.memory._record_memory_history, _dump_snapshot": "profiling/steps.py",
+}
+# Private names of our own objects (or of the standard library) that the scan below also sees.
+OURS = {"_trainer", "_refuse_unless", "_release", "_exit", "_settings"}
+
+
+def _private_uses() -> dict[str, set[str]]:
+    """Module (relative path) -> the private names it uses outside ``self``/``cls``: imported from torch,
+    read as attributes, or named in getattr/hasattr."""
+    private = lambda name: name.startswith("_") and not name.startswith("__")  # noqa: E731
+    uses: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+                found |= {p for p in node.module.split(".") if private(p)} | {a.name for a in node.names if private(a.name)}
+            elif isinstance(node, ast.Attribute) and private(node.attr) and not (
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.add(node.attr)
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr", "setattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str) and private(node.args[1].value)):
+                found.add(node.args[1].value)
+        if found - OURS:
+            uses[path.relative_to(PACKAGE).as_posix()] = found - OURS
+    return uses
+
+
+def test_private_torch_apis_are_listed_seams():
+    import re
+
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = docs[docs.index("## Torch seams"):]
+    for seam, modules in TORCH_SEAMS.items():
+        assert seam in table, f"docs/architecture.md, Torch seams: no row for {seam}"
+        for module in modules.split():
+            assert f"trainer/{module}" in table, f"docs/architecture.md, Torch seams: {seam} does not name {module}"
+    listed: dict[str, list[str]] = {}  # module -> listed names; "x_*" lists every name starting "x_"
+    for seam, modules in TORCH_SEAMS.items():
+        for module in modules.split():
+            listed.setdefault(module, []).extend(re.findall(r"_[A-Za-z0-9_]+\*?", seam))
+    unlisted = [f"{module}: {name}" for module, names in sorted(_private_uses().items()) for name in sorted(names)
+                if not any(name == k or (k.endswith("*") and name.startswith(k[:-1])) for k in listed.get(module, []))]
+    assert unlisted == []
