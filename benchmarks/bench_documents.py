@@ -71,7 +71,8 @@ def main_cli() -> None:
                 share = float("nan")
                 for r in range(a.repeats):
                     for mask in ("causal", "block_causal") if r % 2 == 0 else ("block_causal", "causal"):
-                        seconds, boundary = run(case, data, mask, a.steps, a.warmup, Path(tmp) / f"{case}-{data}-{mask}-{r}")
+                        seconds, boundary = run(case, data, mask, a.steps, a.warmup,
+                                                Path(tmp) / f"{case}-{data}-{mask}-{r}")
                         times[mask].append(seconds)
                         share = boundary if mask == "block_causal" else share
                 ratio = statistics.median(b / c for b, c in zip(times["block_causal"], times["causal"]))

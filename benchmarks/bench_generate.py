@@ -57,7 +57,8 @@ def main() -> None:
                     times.append(time.perf_counter() - began)
                 assert len(out) == a.new
                 rates[cache] = a.new / statistics.median(times)
-            print(f"| {flavor} | {length} | {rates[True]:.1f} | {rates[False]:.1f} | {rates[True] / rates[False]:.2f} |")
+            print(f"| {flavor} | {length} | {rates[True]:.1f} | {rates[False]:.1f}"
+                  f" | {rates[True] / rates[False]:.2f} |")
 
 
 if __name__ == "__main__":

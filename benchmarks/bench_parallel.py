@@ -41,7 +41,8 @@ from trainer.metrics import memory_gib
 import torch
 r = main(load_config(overrides=sys.argv[2:]))
 dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-json.dump({{"step_times": r.step_times, "mem": memory_gib(dev)[0]}}, open(sys.argv[1] + os.environ.get("RANK", "0"), "w"))
+json.dump({{"step_times": r.step_times, "mem": memory_gib(dev)[0]}},
+          open(sys.argv[1] + os.environ.get("RANK", "0"), "w"))
 '''
 
 

@@ -8,12 +8,13 @@ projection costs about ten blocks) and schedule (1F1B, Interleaved1F1B, ZBVZeroB
 DualPipeV at pp 2), one torchrun launch trains every contiguous split the schedule allows (where
 there are more than --max-splits, the best 10 by the planner's prediction plus 10 random ones),
 each for --steps steps with the pipeline timeline on the steps after --warmup, after a discarded
-warm-up case. The planner's own split runs first; its timeline's measured costs (pipeline_costs.json) calibrate the predictions of
-every other split; it runs again as the last case, so that the two measurements of one split show
-this machine's noise over the launch. Reported per model and schedule: the best measured split
-against the planner's (the planner's step / the best step), the old stage-balanced split (split_mode flops) against the
-planner's, and the predicted bubble per rank against the measured one before and after calibration
-(mean and worst absolute difference in points over the splits measured).
+warm-up case. The planner's own split runs first; its timeline's measured costs
+(pipeline_costs.json) calibrate the predictions of every other split; it runs again as the last
+case, so that the two measurements of one split show this machine's noise over the launch. Reported
+per model and schedule: the best measured split against the planner's (the planner's step / the best
+step), the old stage-balanced split (split_mode flops) against the planner's, and the predicted
+bubble per rank against the measured one before and after calibration (mean and worst absolute
+difference in points over the splits measured).
 """
 
 import argparse
@@ -38,7 +39,8 @@ MODELS = {
     "12x32k": ["--model.overrides.n_layers", "12", "--model.overrides.vocab_size", "32768"],
 }
 COMMON = ["--training.steps", "{steps}", "--lr_scheduler.warmup_steps", "1", "--validation.no-enable",
-          "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000", "--parallelism.pipeline_parallel_degree", "2"]
+          "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000",
+          "--parallelism.pipeline_parallel_degree", "2"]
 SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
 
 WORKER = '''
@@ -64,7 +66,8 @@ def load(args: list[str]):
 
 
 def splits(n: int, stages: int) -> list[tuple[int, ...]]:
-    return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, n))) for cuts in itertools.combinations(range(1, n), stages - 1)]
+    return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, n)))
+            for cuts in itertools.combinations(range(1, n), stages - 1)]
 
 
 def points(counts: tuple[int, ...]) -> str:
@@ -154,7 +157,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write every row here")
     args = parser.parse_args()
     results = []
-    print("| model | schedule | splits (measured) | planner's split: step | same split, last case | best measured split: step | planner/best"
+    print("| model | schedule | splits (measured) | planner's split: step | same split, last case"
+          " | best measured split: step | planner/best"
           " | old flops split: step | old/planner | calibrated pick: step | bubble error before calibration, mean/worst"
           " (points) | after |")
     print("|---|---|---|---|---|---|---:|---|---:|---|---|---|")
@@ -163,8 +167,10 @@ def main() -> None:
             for schedule in args.schedules:
                 r = run_group(model, schedule, args, Path(tmp))
                 results.append(r)
-                print(f"| {model} | {schedule} | {r['splits']} ({r['measured']}) | {r['planner']}: {r['planner_step']:.3f} s"
-                      f" | {r['planner_again_step']:.3f} s | {r['best']}: {r['best_step']:.3f} s | {r['planner_step'] / r['best_step']:.3f}"
+                print(f"| {model} | {schedule} | {r['splits']} ({r['measured']})"
+                      f" | {r['planner']}: {r['planner_step']:.3f} s"
+                      f" | {r['planner_again_step']:.3f} s | {r['best']}: {r['best_step']:.3f} s"
+                      f" | {r['planner_step'] / r['best_step']:.3f}"
                       f" | {r['flops']}: {r['flops_step']:.3f} s | {r['flops_step'] / r['planner_step']:.3f}"
                       f" | {r['calibrated_pick']}: {r['calibrated_pick_step']:.3f} s"
                       f" | {r['bubble_err_before'][0]:.1f} / {r['bubble_err_before'][1]:.1f}"

@@ -70,7 +70,8 @@ def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], o
     last = len(counts) - 1
     stage_bytes, stage_recompute, start = [], [], 1
     for s, c in enumerate(counts):
-        parts = list(range(start, start + c)) + ([0] if s == 0 else []) + ([len(per_part.kept) - 1] if s == last else [])
+        parts = (list(range(start, start + c)) + ([0] if s == 0 else [])
+                 + ([len(per_part.kept) - 1] if s == last else []))
         stage_bytes.append(tokens * (sum(per_part.kept[i] for i in parts) + per_part.stage))
         stage_recompute.append(tokens * max(per_part.recompute[i] for i in parts))
         start += c

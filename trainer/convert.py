@@ -243,8 +243,10 @@ def from_hf(folder: Path, out: Path) -> str:
         lines += ["", "[model.overrides]", *(f"{k} = {toml_value(v)}" for k, v in overrides.items())]
     lines += ["", "[checkpoint]", f"initial_load_path = {toml_value(str(seed.resolve()))}", ""]
     (out / "model.toml").write_text("\n".join(lines))
-    tokenizer = "tokenizer.json, " if loaded.tokenizer is not None else "no tokenizer (the folder has no tokenizer.json), "
-    return f"wrote {out}: checkpoint (DCP), {tokenizer}model.toml ({loaded.spec.name} {flavor}, {len(overrides)} overrides)"
+    tokenizer = ("tokenizer.json, " if loaded.tokenizer is not None
+                 else "no tokenizer (the folder has no tokenizer.json), ")
+    return (f"wrote {out}: checkpoint (DCP), {tokenizer}model.toml"
+            f" ({loaded.spec.name} {flavor}, {len(overrides)} overrides)")
 
 
 def run(argv: list[str]) -> int:

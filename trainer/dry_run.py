@@ -182,18 +182,20 @@ def predicted_step(plan: JobPlan) -> list[str]:
     layers = plan.spec.layers_attr
     if pipeline.search is not None:
         lines.append(f"Split chosen by the planner (split_mode makespan; {how})"
-                     + (f"; {search.refused_for_memory} splits refused for the memory limit" if search.refused_for_memory
-                        else ""))
+                     + (f"; {search.refused_for_memory} splits refused for the memory limit"
+                        if search.refused_for_memory else ""))
     else:
         best = search.best[0]
-        why = "given split points" if p.pipeline_parallel_split_points else f"split_mode {p.pipeline_parallel_split_mode}"
+        why = ("given split points" if p.pipeline_parallel_split_points
+               else f"split_mode {p.pipeline_parallel_split_mode}")
         slower = chosen.makespan / best.makespan - 1
         lines.append(f"Split from {why}: predicted {100 * slower:.1f}% slower than the planner's choice"
                      f" {_points(best.counts, layers)} ({_amount(best.makespan, unit)}; {how})"
                      if slower > 1e-9 else f"Split from {why}: as fast as the planner's choice ({how})")
     if costs.measured_counts and len(costs.measured_counts) == pipeline.num_stages:
         run = sim.predict(costs.measured_counts)
-        lines.append(f"Measured run's split {_points(run.counts, layers)}: {_amount(run.makespan, unit)} predicted with its"
+        lines.append(f"Measured run's split {_points(run.counts, layers)}:"
+                     f" {_amount(run.makespan, unit)} predicted with its"
                      f" own measurements; this plan's split {100 * (1 - chosen.makespan / run.makespan):.1f}% shorter")
     others = [c for c in search.best if c.counts != pipeline.counts][:3]
     if others:

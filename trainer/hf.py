@@ -69,7 +69,8 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
     names = {k: f for k, (f, _) in written.items()}
     if not dist.is_initialized() or dist.get_rank() == 0:
         total = sum(size for _, size in written.values())
-        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(names.items()))}, indent=2))
+        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
+                                                "weight_map": dict(sorted(names.items()))}, indent=2))
         config = hf.config(args, dtype)
         if tokenizer is not None:
             tokenizer.save_hf(folder)
@@ -154,7 +155,8 @@ def adopt_hf_config(folder: Path, spec: ModelSpec, model: Model) -> Model:
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+    if (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
+            and not isinstance(b, bool)):
         return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
     return a == b
 

@@ -49,7 +49,8 @@ def announce_rendezvous(args, first: float = 5.0, every: float = 15.0) -> None:
     def next_rendezvous(self):
         done, start = threading.Event(), time.monotonic()
         timeout = getattr(getattr(getattr(self, "_settings", None), "timeout", None), "join", None)
-        limit = f" of {timeout.total_seconds():.0f} s (torchrun's rendezvous join_timeout)" if timeout is not None else ""
+        limit = (f" of {timeout.total_seconds():.0f} s (torchrun's rendezvous join_timeout)" if timeout is not None
+                 else "")
 
         def tell():
             wait = first
@@ -95,7 +96,8 @@ def check_config(args) -> int:
             # Memory is checked against this machine's device only on CPU: asking CUDA here would start
             # it in the launcher; the workers check it when they plan.
             # Errors about the world size speak the launcher's language: the user set NGPU (and NNODES).
-            name = (f"NGPU {per_node}" if nodes == "1" else f"NNODES {nodes} x NGPU {per_node} = {world}") if world else ""
+            name = (f"NGPU {per_node}" if nodes == "1"
+                    else f"NNODES {nodes} x NGPU {per_node} = {world}") if world else ""
             build_job_plan(invocation.config, world or degrees_product(invocation.config),
                            check_memory=device_type() != "cuda", world_name=name)
     except UserError as e:

@@ -67,7 +67,9 @@ class ModelParts:
             for chunk in self.chunks:
                 technique.gradient_sync(chunk, enabled)
 
-    def shard_batch(self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def shard_batch(
+        self, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's part of each (inputs, labels) microbatch (the whole of it unless a technique splits
         sequences, as context parallelism does)."""
         for technique in self.techniques:

@@ -35,7 +35,8 @@ from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
 from trainer.parallel.technique import ChunkSetup, PlanFacts
 
 logger = logging.getLogger(__name__)
-MIN_TIKTOKEN_VOCAB = 256 + 2  # byte tokens + trainer.data.tokenizer.NUM_SPECIAL (not imported: the launcher stays light)
+# byte tokens + trainer.data.tokenizer.NUM_SPECIAL (not imported: the launcher stays light)
+MIN_TIKTOKEN_VOCAB = 256 + 2
 
 # fp32 parameter + fp32 gradient + two fp32 Adam moments.
 BYTES_PER_PARAM = 16
@@ -102,7 +103,8 @@ class JobPlan:
         c = self.config
         return ChunkSetup(meshes=meshes, spec=self.spec, parallelism=c.parallelism,
                           activation_checkpoint=c.activation_checkpoint, tp_plan=self.tp_plan, seq_len=self.seq_len,
-                          param_dtype=self.compute_dtype(device), reduce_dtype=torch_dtype(c.training.mixed_precision_reduce),
+                          param_dtype=self.compute_dtype(device),
+                          reduce_dtype=torch_dtype(c.training.mixed_precision_reduce),
                           compile_enabled=c.compile.enable, pipelined=self.pipeline is not None)
 
     def activation_peaks(self, device_type: str) -> list[float] | str:
@@ -140,7 +142,8 @@ class JobPlan:
     @property
     def global_batch_parts(self) -> str:
         """How the global batch is made up, for messages: ``local 4 x data-parallel 2 x accumulation 1``."""
-        return f"local {self.config.training.local_batch_size} x data-parallel {self.dims.dp} x accumulation {self.accum_steps}"
+        return (f"local {self.config.training.local_batch_size} x data-parallel {self.dims.dp}"
+                f" x accumulation {self.accum_steps}")
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         return compute_dtype(self.config.training.mixed_precision_param, device.type)
@@ -215,7 +218,8 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
             " set export_hf = false"
         )
     if config.checkpoint.export_hf and (why := spec.hf.unsupported(args)):
-        raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model: {why}")
+        raise ConfigError(f"[checkpoint] export_hf: the Hugging Face class of {spec.name} cannot hold this model:"
+                          f" {why}")
     vocab = spec.vocab_size(args)
     if not config.model.tokenizer_path.endswith(".json") and vocab < MIN_TIKTOKEN_VOCAB:
         raise ConfigError(f"[model.overrides] vocab_size={vocab}: a tiktoken tokenizer needs the 256 byte tokens and"
@@ -238,7 +242,8 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
         pipeline = build_pipeline_plan(
             p, whole, spec.layout(args), seq_len=t.seq_len,
             n_microbatches=n_micro, costs=lambda: pipeline_costs(config, spec, args, whole, dims, device),
-            fits=None if limit is None else _fits(split_memory(config, spec, args, whole, dims, device, n_micro), limit))
+            fits=None if limit is None else _fits(split_memory(config, spec, args, whole, dims, device, n_micro),
+                                                  limit))
     stage_params, stage_flops = _stage_costs(whole, spec.layout(args), pipeline, t.seq_len)
     plan = JobPlan(
         config=config, dims=dims, spec=spec, model_args=args, num_params=num_params,
@@ -250,8 +255,8 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     if check_memory:
         _check_state_memory(plan)
     if pipeline is not None and pipeline.search is not None and pipeline.search.refused_for_memory:
-        logger.warning("[parallelism] pipeline split %s chosen without %d splits in which a rank would exceed the memory"
-                       " limit of %.1f GiB (pipeline_parallel_memory_limit_gib, 0 = this device's memory)",
+        logger.warning("[parallelism] pipeline split %s chosen without %d splits in which a rank would exceed the"
+                       " memory limit of %.1f GiB (pipeline_parallel_memory_limit_gib, 0 = this device's memory)",
                        pipeline.split_points(spec.layers_attr), pipeline.search.refused_for_memory, limit / 2**30)
     if pipeline is not None and n_micro < pipeline.num_stages:
         bubble = plan.bubble()
@@ -359,7 +364,8 @@ def cost_identity(config: JobConfig, n_blocks: int, tp: int, cp: int) -> dict:
     return {"model": f"{m.name} {m.flavor} {dict(sorted(m.overrides.items()))}",
             "n_layers": n_blocks, "seq_len": config.training.seq_len,
             "microbatch_size": config.parallelism.pipeline_parallel_microbatch_size, "tp": tp, "cp": cp,
-            "activation_checkpoint": f"{config.activation_checkpoint.mode} {config.activation_checkpoint.selective_ac_option}",
+            "activation_checkpoint": (f"{config.activation_checkpoint.mode}"
+                                      f" {config.activation_checkpoint.selective_ac_option}"),
             "dtype": config.training.mixed_precision_param, "attention": m.attn_mask_type}
 
 
@@ -420,11 +426,13 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
         last = len(counts) - 1
         stage_state, start = [], 1
         for s, c in enumerate(counts):
-            stage_state.append(sum(params[start:start + c]) + (params[0] if s == 0 else 0) + (params[-1] if s == last else 0))
+            stage_state.append(sum(params[start:start + c]) + (params[0] if s == 0 else 0)
+                               + (params[-1] if s == last else 0))
             start += c
         acts = [0.0] * dims.pp
         if not traits.from_file and not isinstance(per_part, str):
-            acts = rank_peaks(per_part, counts, schedule_ops(schedule, dims.pp, n_micro, len(counts) // dims.pp), tokens)
+            acts = rank_peaks(per_part, counts, schedule_ops(schedule, dims.pp, n_micro, len(counts) // dims.pp),
+                              tokens)
         return [sum(stage_state[s] for s in placement[r]) * BYTES_PER_PARAM / split + acts[r] for r in range(dims.pp)]
 
     return rank_bytes

@@ -236,7 +236,8 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         profiler = StepProfiler(config.profiling, config.job.dump_folder,
                                 rank=dist.get_rank() if dist.is_initialized() else 0, device=device)
     return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
-                   parts.step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id, tokenizer.bos_id), timeline, profiler)
+                   parts.step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id, tokenizer.bos_id),
+                   timeline, profiler)
 
 
 def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program: Program):
@@ -249,7 +250,8 @@ def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program
     units = pipeline_costs(plan.config, plan.spec, plan.model_args, whole, plan.dims, device.type, relative=True)
     return Calibration(
         units=units, plan_costs=plan.pipeline_costs, counts=pipeline.counts,
-        program=program, path=folder / "pipeline_costs.json", identity=cost_identity(plan.config, sum(len(s.blocks) for s in pipeline.stages), plan.dims.tp, plan.dims.cp),
+        program=program, path=folder / "pipeline_costs.json",
+        identity=cost_identity(plan.config, sum(len(s.blocks) for s in pipeline.stages), plan.dims.tp, plan.dims.cp),
         measured={"schedule": pipeline.schedule, "pp": pipeline.pp, "device": device.type,
                   "split_points": pipeline.split_points(plan.spec.layers_attr)},
         layers_attr=plan.spec.layers_attr)
@@ -366,7 +368,8 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                 result.eval_losses[step] = evaluation.loss
                 run.metrics.log_validation(step, evaluation.loss, evaluation.tokens, evaluation.seconds)
             if run.parts.after_step_hook is not None and run.metrics.should_log(step):
-                run.metrics.log_model(run.plan.spec.name, gather_over_pipeline(run.parts.step_metrics, run.meshes), step)
+                run.metrics.log_model(run.plan.spec.name, gather_over_pipeline(run.parts.step_metrics, run.meshes),
+                                      step)
             if run.metrics.should_log(step) and len(shares := run.loader.shares()) > 1:
                 run.metrics.log_scalars("data_share", shares, step)
             with watchdog.paused() if watchdog is not None else contextlib.nullcontext():

@@ -13,7 +13,8 @@ from trainer.config import load_config
 
 P = "--parallelism."
 AUTO = [P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", P + "no-enable_sequence_parallel"]
-GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
+GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
+       "--model.flavor", "tiny"]
 # PARITY's Llama overrides do not apply to the GPT family: keep only the run settings.
 RUN = [a for i, a in enumerate(PARITY) if not (a.startswith("--model") or (i and PARITY[i - 1].startswith("--model")))]
 FAMILIES = {"llama": PARITY + ["--model.overrides.n_layers", "4"],

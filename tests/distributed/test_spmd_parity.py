@@ -58,10 +58,12 @@ LAYOUTS = {
     "TP2+clip": (2, [*CLIP, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "FSDP2xTP2+clip": (4, [*CLIP, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
                            "--training.local_batch_size", "4"]),
-    "CP2xFSDP2+clip": (4, [*CLIP, *CAUSAL, CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+    "CP2xFSDP2+clip": (4, [*CLIP, *CAUSAL, CP, "2", P + "data_parallel_shard_degree", "2",
+                           "--training.local_batch_size", "4"]),
     # Activation checkpointing under CP: the recomputed forward must run the gathered attention too.
     "CP2+AC": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
-    "CP2+SAC-op": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "selective",
+    "CP2+SAC-op": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8",
+                       "--activation_checkpoint.mode", "selective",
                        "--activation_checkpoint.selective_ac_option", "op"]),
 }
 

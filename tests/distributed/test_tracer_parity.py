@@ -27,7 +27,8 @@ RUN = [a for i, a in enumerate(PARITY) if not (a.startswith("--model") or (i and
 CAUSAL = ["--model.attn_mask_type", "causal"]  # traced stages take no documents: causal attention, references too
 FAMILIES = {
     "llama": PARITY + LAYERS4 + CAUSAL,
-    "seq_gpt": RUN + ["--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny", *LAYERS4, *CAUSAL],
+    "seq_gpt": RUN + ["--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny",
+                      *LAYERS4, *CAUSAL],
 }
 
 

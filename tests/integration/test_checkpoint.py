@@ -80,7 +80,8 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
         "--model.overrides.n_layers", "4", "--training.local_batch_size", "8", "--training.steps", "6", *CKPT,
         "--checkpoint.load_step", "3", "--job.dump_folder", str(tmp_path / "r")]))
     # Four ranks' generator states do not map onto one: they start fresh, said once, and rng is not listed as restored.
-    assert "holds the random generator states of 4 ranks and this run has 1; random generators start fresh" in caplog.text
+    assert ("holds the random generator states of 4 ranks and this run has 1; random generators start fresh"
+            in caplog.text)
     resumed_line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed from"))
     assert "rng" not in resumed_line and "model" in resumed_line
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
@@ -116,7 +117,8 @@ def test_exact_resume_under_plain_ddp_and_on_fsdp(tmp_path):
 
 @pytest.mark.slow
 def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
-    layout = ["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8", "--training.steps", "6",
+    layout = ["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "2",
+              "--training.local_batch_size", "8", "--training.steps", "6",
               *CKPT]
     straight = run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
     run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
@@ -138,7 +140,8 @@ def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path, mode):
     args = PARITY + ["--training.local_batch_size", "8", "--training.steps", "6", "--checkpoint.enable",
-                     "--checkpoint.interval", "2", "--checkpoint.async_mode", "async" if mode == "async" else "disabled",
+                     "--checkpoint.interval", "2", "--checkpoint.async_mode",
+                     "async" if mode == "async" else "disabled",
                      "--job.dump_folder", str(tmp_path / "run")]
     proc = subprocess.run([sys.executable, str(REPO / "tests" / "integration" / "crash_worker.py"), mode, "4", *args],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
@@ -283,7 +286,8 @@ def test_resume_keeps_the_saved_global_batch_and_tokenizer(tmp_path, caplog):
     train(args + ["--training.stop_at_step", "2"], tmp_path)
     derived = ["--training.local_batch_size", "4", "--training.global_batch_size", "-1"]
     with pytest.raises(UserError, match=r"\[training\] global_batch_size: .*step-2 was trained with a global batch of 8"
-                                        r" sequences; this run's would be 4 \(local 4 x data-parallel 1 x accumulation 1\)"):
+                                        r" sequences; this run's would be 4"
+                                        r" \(local 4 x data-parallel 1 x accumulation 1\)"):
         train(args + derived, tmp_path)
     # Another tokenizer with the same vocabulary size would load silently and read token ids as other text.
     with pytest.raises(UserError, match=r"\[model\] tokenizer_path: .*step-2 was trained with another tokenizer than"
@@ -364,7 +368,8 @@ def test_an_emptied_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, c
         f.unlink()
     resumed = train(args, tmp_path)
     assert len(resumed.losses) == 4  # steps 3-6, from step 2
-    assert "its .metadata is missing (the folder was emptied" in caplog.text and (newest.parent / "step-4.damaged").is_dir()
+    assert ("its .metadata is missing (the folder was emptied" in caplog.text
+            and (newest.parent / "step-4.damaged").is_dir())
 
 
 def test_a_split_that_selects_no_documents_names_the_key(tmp_path):
@@ -477,7 +482,8 @@ def test_damage_without_fallback_or_in_a_named_checkpoint_stops_with_one_line(tm
         train(args + ["--checkpoint.initial_load_path", str(folder / "step-4")], tmp_path / "other")
     assert complete_steps(folder) == [2, 4]  # nothing moved or lost by a refused run
     _flip_bit(folder / "step-2" / ".metadata")
-    with pytest.raises(UserError, match=r"every checkpoint in .* is damaged \(kept as step-4.damaged, step-2.damaged\)"):
+    with pytest.raises(UserError,
+                       match=r"every checkpoint in .* is damaged \(kept as step-4.damaged, step-2.damaged\)"):
         train(args, tmp_path)
     # Without verify, only damage that stops DCP is seen (a zero-filled metadata file, here).
     (folder / "step-2.damaged").rename(folder / "step-2")
@@ -495,8 +501,9 @@ def test_streamed_data_resumes_exactly_and_on_another_batch_split(tmp_path, capl
     repo = tmp_path / "hub_dataset"
     (repo / "data").mkdir(parents=True)
     (repo / "data" / "train-00000.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in bundled_documents()))
-    args = ["--training.dataset_path", "", "--training.dataset", str(repo), "--training.dataloader.streaming", "--validation.dataset_path",
-            str(repo / "data"), "--training.local_batch_size", "8", "--training.steps", "6", *CKPT]
+    args = ["--training.dataset_path", "", "--training.dataset", str(repo), "--training.dataloader.streaming",
+            "--validation.dataset_path", str(repo / "data"), "--training.local_batch_size", "8",
+            "--training.steps", "6", *CKPT]
     straight = train(args, tmp_path / "straight")
     train(args + ["--training.stop_at_step", "3"], tmp_path / "r")
     resumed = train(args, tmp_path / "r")
@@ -533,7 +540,8 @@ def test_a_resume_with_another_attention_says_so(tmp_path, caplog, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(ckpt.Checkpointer, "__init__", older)
         train(args + ["--training.stop_at_step", "2", "--model.attn_mask_type", "causal"], tmp_path / "old")
-    assert "train_state.attention" not in FileSystemReader(str(tmp_path / "old" / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
+    assert "train_state.attention" not in FileSystemReader(
+        str(tmp_path / "old" / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
     caplog.clear()
     train(args + ["--training.stop_at_step", "3"], tmp_path / "old")
     assert "step-2 was trained before [model] attn_mask_type existed, with causal attention" in caplog.text

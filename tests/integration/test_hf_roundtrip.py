@@ -61,7 +61,8 @@ def test_from_hf_train_to_hf_and_generate_like_transformers(tmp_path, family, ca
     # The seed computes transformers' logits (the import alone).
     tok = HFTokenizer(tmp_path / "seed" / "tokenizer.json")
     ids = tok.encode(PROMPT, bos=True)
-    seed = load_checkpoint(tmp_path / "seed" / "checkpoint", ["--job.config_file", str(tmp_path / "seed" / "model.toml")],
+    seed = load_checkpoint(tmp_path / "seed" / "checkpoint",
+                           ["--job.config_file", str(tmp_path / "seed" / "model.toml")],
                            key="test")
     torch.testing.assert_close(logits_of(seed.model, ids), logits_of(source, ids), rtol=1e-5, atol=1e-5)
 
@@ -102,7 +103,8 @@ def test_from_hf_train_to_hf_and_generate_like_transformers(tmp_path, family, ca
     assert gen.run([str(tmp_path / "out"), "--prompt", PROMPT, "--max-new-tokens", "20"]) == 0
     from_hf_folder = capsys.readouterr().out
     assert gen.run([str(step), "--prompt", PROMPT, "--max-new-tokens", "20"]) == 0
-    assert capsys.readouterr().out == from_hf_folder == PROMPT + tok.decode([i for i in cached if i != tok.eos_id]) + "\n"
+    assert (capsys.readouterr().out == from_hf_folder
+            == PROMPT + tok.decode([i for i in cached if i != tok.eos_id]) + "\n")
 
 
 def test_the_exported_tiktoken_tokenizer_encodes_every_bundled_document_identically(tmp_path):
@@ -124,7 +126,8 @@ def test_the_whole_bundled_tokenizer_exports_identically_on_hard_text(tmp_path):
     theirs = HFTokenizer(tmp_path / "tokenizer.json")
     texts = [d[:3000] for d in bundled_documents()[:10]] + [
         "  leading spaces\tand\ttabs\r\n\r\nCRLF", "ünïcödé 日本語テキスト 🙂🙂 émoji", "1234567890 3.14159 -42",
-        "aaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "<|end_of_text|> is text here", "'s 't 're 've 'm 'll 'd WE'LL", "\x00\x01\x7f"]
+        "aaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "<|end_of_text|> is text here", "'s 't 're 've 'm 'll 'd WE'LL",
+        "\x00\x01\x7f"]
     for text in texts:
         assert theirs.encode(text) == ours.encode(text), text[:40]
         assert theirs.decode(theirs.encode(text)) == text
@@ -132,11 +135,13 @@ def test_the_whole_bundled_tokenizer_exports_identically_on_hard_text(tmp_path):
 
 def test_sampling_keeps_top_k_and_top_p():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
-    drawn = {int(gen.sample_next(logits, temperature=1.0, top_k=2, top_p=1.0, generator=torch.Generator().manual_seed(s)))
+    drawn = {int(gen.sample_next(logits, temperature=1.0, top_k=2, top_p=1.0,
+                                 generator=torch.Generator().manual_seed(s)))
              for s in range(200)}
     assert drawn == {0, 1}
     # softmax(4, 3, 2, 1, 0) = 0.636, 0.234, 0.086, ...: top_p 0.8 keeps the two whose mass reaches it
-    drawn = {int(gen.sample_next(logits, temperature=1.0, top_k=0, top_p=0.8, generator=torch.Generator().manual_seed(s)))
+    drawn = {int(gen.sample_next(logits, temperature=1.0, top_k=0, top_p=0.8,
+                                 generator=torch.Generator().manual_seed(s)))
              for s in range(200)}
     assert drawn == {0, 1}
     assert int(gen.sample_next(logits, temperature=0.0, top_k=0, top_p=1.0, generator=None)) == 0

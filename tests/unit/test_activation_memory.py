@@ -71,7 +71,8 @@ def test_the_checkpointing_terms_of_the_estimate_match_what_autograd_saves(tmp_p
         # outside the meter's sight, which would skew "one block" (the single-process test counts them).
         args = ["--model.overrides.n_layers", "2", "--training.seq_len", "64", "--training.steps", "1",
                 "--profiling.activation_memory_steps", "1", "--validation.no-enable", "--metrics.no-enable_tensorboard",
-                "--model.attn_mask_type", "causal", "--job.dump_folder", str(tmp_path / str(len(overrides))), *overrides]
+                "--model.attn_mask_type", "causal", "--job.dump_folder", str(tmp_path / str(len(overrides))),
+                *overrides]
         (measured,) = main(load_config(overrides=args)).activation_peaks[1]
         (estimate,) = load_plan(args).activation_peaks("cpu")
         return measured, estimate

@@ -195,7 +195,8 @@ def _private_uses() -> dict[str, set[str]]:
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
-                found |= {p for p in node.module.split(".") if private(p)} | {a.name for a in node.names if private(a.name)}
+                found |= ({p for p in node.module.split(".") if private(p)}
+                          | {a.name for a in node.names if private(a.name)})
             elif isinstance(node, ast.Attribute) and private(node.attr) and not (
                     isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 found.add(node.attr)

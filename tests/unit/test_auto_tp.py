@@ -120,7 +120,8 @@ def test_entry_feeding_the_residual_is_refused():
 
 
 def test_unshardable_sizes_are_reported_before_building():
-    with pytest.raises(ConfigError, match=r"layers\.\*\.up has 25 output features, not divisible by tensor_parallel_degree=2"):
+    with pytest.raises(ConfigError,
+                       match=r"layers\.\*\.up has 25 output features, not divisible by tensor_parallel_degree=2"):
         derive(meta(Toy, Odd))
 
 
@@ -144,8 +145,8 @@ def test_gpt_family_separate_and_fused_projections():
 
 
 def test_config_requires_auto_for_a_family_without_a_plan():
-    gpt = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny",
-           "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "32"]
+    gpt = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
+           "--model.flavor", "tiny", "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "32"]
     with pytest.raises(ConfigError, match='tiny_gpt has no hand-written TP plan; set .* tensor_parallel_plan = "auto"'):
         load_plan(gpt)
     auto = load_plan(gpt + ["--parallelism.tensor_parallel_plan", "auto"])
@@ -157,7 +158,8 @@ def test_overrides_replace_derived_styles():
                                         multiple_of=32, max_seq_len=16))
     plan = derive_tp_plan(model, layout(model), tp=2, seq_len=16, loss_parallel=True,
                           overrides={"feed_forward.w1": "replicate", "output": "replicate"})
-    assert "feed_forward.w1" not in plan.block and plan.replicated["feed_forward.w1"] == "set by tensor_parallel_overrides"
+    assert ("feed_forward.w1" not in plan.block
+            and plan.replicated["feed_forward.w1"] == "set by tensor_parallel_overrides")
     assert "output" not in plan.top
     with pytest.raises(ConfigError, match=r"tensor_parallel_overrides\] attention.wz: not a Linear of the block"):
         derive_tp_plan(model, layout(model, (), ()), tp=2, seq_len=16, loss_parallel=True,

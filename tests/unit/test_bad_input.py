@@ -22,7 +22,8 @@ from trainer.optim import lr_factor
 REPO = Path(__file__).resolve().parents[2]
 OVR = "--model.overrides."
 MOE = ["--model.name", "moe", "--model.flavor", "debugmodel"]
-GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny", "--training.seq_len", "32"]
+GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
+       "--model.flavor", "tiny", "--training.seq_len", "32"]
 
 BAD = [
     # model args the family cannot build (each names the [model.overrides] key)
@@ -51,14 +52,16 @@ BAD = [
     (["--comm.init_timeout_seconds", "1000000000000000"], "[comm] init_timeout_seconds"),
     # counters and batches with a ceiling: a typo is one line, not an overflow deep in numpy (issue 34)
     (["--training.global_batch_size", "4611686018427387904"], "[training] global_batch_size: got 4611686018427387904"),
-    (["--training.steps", str(10**20)], "[training] steps: got 100000000000000000000, expected an integer > 0 and <= 1,000,000,000"),
+    (["--training.steps", str(10**20)],
+     "[training] steps: got 100000000000000000000, expected an integer > 0 and <= 1,000,000,000"),
     (["--training.steps", str(10**26)], "[training] steps: got 100000000000000000000000000"),
     (["--checkpoint.interval", str(10**12)], "[checkpoint] interval"),
     (["--checkpoint.keep_latest_k", str(2**63)], "[checkpoint] keep_latest_k"),
     (["--training.stop_at_step", str(10**20)], "[training] stop_at_step"),
     (["--training.gc_freq", str(2**63)], "[training] gc_freq"),
     # a value is checked whatever the mode that reads it
-    (["--activation_checkpoint.selective_ac_option", "abc"], "selective_ac_option: got 'abc', expected 'op' or a positive integer"),
+    (["--activation_checkpoint.selective_ac_option", "abc"],
+     "selective_ac_option: got 'abc', expected 'op' or a positive integer"),
     (["--activation_checkpoint.selective_ac_option", "-3"], "selective_ac_option: got '-3'"),
     # exclusions that would load nothing, or an optimizer state without its weights
     (["--checkpoint.exclude_from_loading", "model,optimizer,dataloader,train_state,rng"], "every part is excluded"),
@@ -68,11 +71,13 @@ BAD = [
     (MOE + [OVR + "route_scale", "1e30"], "[model.overrides] route_scale=1e+30: must be <= 100"),
     (MOE + [OVR + "aux_loss_coef", "1e30"], "[model.overrides] aux_loss_coef=1e+30: must be <= 100"),
     (MOE + [OVR + "head_dim_override", "3"], "[model.overrides] head_dim_override=3: the head size 3 must be even"),
-    (MOE + [OVR + "vocab_size", "10"], "[model.overrides] vocab_size=10: a tiktoken tokenizer needs the 256 byte tokens"),
+    (MOE + [OVR + "vocab_size", "10"],
+     "[model.overrides] vocab_size=10: a tiktoken tokenizer needs the 256 byte tokens"),
     (["--profiling.activation_memory_steps", "0"], "[profiling] activation_memory_steps: 0 is not a step"),
     (["--profiling.activation_memory_steps", str(2**63)], "[profiling] activation_memory_steps"),
     # error lines that name the right thing (issue 35)
-    (["--training.dataset_mix"], "--training.dataset_mix: set one entry at a time, e.g. --training.dataset_mix.python_docs 1"),
+    (["--training.dataset_mix"],
+     "--training.dataset_mix: set one entry at a time, e.g. --training.dataset_mix.python_docs 1"),
     (["--model.tokenizer_path", "/tmp"], "[model] tokenizer_path: a folder, not a file: /tmp"),
     (["--training.dataset_path", "README.md "], "[training] dataset_path: file not found: 'README.md '"),
     # user modules that cannot be imported
@@ -80,7 +85,8 @@ BAD = [
     (["--model.modules", "broken_import"], "cannot import 'broken_import': RuntimeError: this module refuses to load"),
     (["--model.modules", "../etc"], "[model] modules: '../etc' is not a Python module name"),
     # pipeline keys are checked even where a pipeline degree of 1 ignores them
-    (["--parallelism.pipeline_parallel_split_points", "layers.2,,layers.4"], "[parallelism] pipeline_parallel_split_points: got 'layers.2,,layers.4': an empty entry"),
+    (["--parallelism.pipeline_parallel_split_points", "layers.2,,layers.4"],
+     "[parallelism] pipeline_parallel_split_points: got 'layers.2,,layers.4': an empty entry"),
     (["--parallelism.pipeline_parallel_schedule", "ZeroBubbleV"], "did you mean 'ZBVZeroBubble'?"),
     # bytes from the shell that are not UTF-8 text (the resolved config could not be written)
     (["--job.description", "caf\udce9"], "'--job.description': the value is not valid UTF-8 text"),
@@ -141,7 +147,8 @@ def test_a_one_step_smoke_test_of_any_job_works(caplog):
 
 IGNORED = [  # settings that do nothing in the job as configured: one warning line each (issue 35); (argv, world, words)
     (["--checkpoint.load_step", "3"], 1, "[checkpoint] load_step=3 is ignored: [checkpoint] enable = false"),
-    (["--validation.dataset_path", "README.md"], 1, "[validation] dataset_path is ignored: [validation] enable = false"),
+    (["--validation.dataset_path", "README.md"], 1,
+     "[validation] dataset_path is ignored: [validation] enable = false"),
     (["--validation.enable"], 1, "[validation] reads the training data itself (python_docs, split 'train')"),
     (["--training.steps", "3", "--parallelism.pipeline_parallel_degree", "2", "--profiling.pipeline_timeline_steps",
       "2,5,9"], 2, "[profiling] pipeline_timeline_steps: steps 5, 9 after the last step ([training] steps = 3)"),
@@ -164,8 +171,8 @@ def run_cli(args: list[str], **kw) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("ngpu", ["0", "abc", "-1"])
 def test_run_train_refuses_a_bad_process_count(ngpu):
-    proc = subprocess.run(["./run_train.sh"], cwd=REPO, env={**os.environ, "NGPU": ngpu}, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(["./run_train.sh"], cwd=REPO, env={**os.environ, "NGPU": ngpu}, capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: NGPU={ngpu}: expected a positive number of processes (e.g. NGPU=4)"
 
@@ -180,7 +187,8 @@ def test_help_piped_into_head_ends_quietly():
 def test_entry_point_prints_one_line_for_a_model_error():
     proc = run_cli([sys.executable, "train.py", *TINY_MODEL, OVR + "n_kv_heads", "3", "--print-config"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == "error: [model.overrides] n_kv_heads=3: must divide n_heads=4 (grouped-query attention)"
+    assert (proc.stderr.strip()
+            == "error: [model.overrides] n_kv_heads=3: must divide n_heads=4 (grouped-query attention)")
 
 
 def test_folders_that_cannot_hold_the_run_are_named(tmp_path):
@@ -204,7 +212,8 @@ def test_folders_that_cannot_hold_the_run_are_named(tmp_path):
     # every output folder is checked the same way: the data cache, traces, TensorBoard (issue 34)
     (tmp_path / "run" / "cache").write_text("x")
     with pytest.raises(ConfigError, match=r"\[training.dataloader\] cache_folder: .*cache exists and is not a folder"):
-        load_config(overrides=["--job.dump_folder", str(tmp_path / "run"), "--training.dataloader.cache_folder", "cache"])
+        load_config(overrides=["--job.dump_folder", str(tmp_path / "run"),
+                               "--training.dataloader.cache_folder", "cache"])
     for key in ("--training.dataloader.cache_folder", "--profiling.save_traces_folder", "--metrics.save_tb_folder"):
         config = load_config(overrides=["--job.dump_folder", str(tmp_path / "run2"), key, str(afile / "sub"),
                                         "--parallelism.pipeline_parallel_degree", "2",

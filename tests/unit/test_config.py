@@ -201,7 +201,8 @@ def test_loaded_configs_round_trip(tmp_path, description, tp_overrides):
     user writes: text with any character but NUL, and dotted module names as table keys (TOML only: the
     command line splits keys at dots)."""
     table = "{" + ", ".join(f'"{k}" = "{v}"' for k, v in tp_overrides.items()) + "}"
-    source = write(tmp_path, "job.toml", f'[parallelism]\ntensor_parallel_plan = "auto"\ntensor_parallel_overrides = {table}\n')
+    source = write(tmp_path, "job.toml",
+                   f'[parallelism]\ntensor_parallel_plan = "auto"\ntensor_parallel_overrides = {table}\n')
     config = load_config(source, [f"--job.description={description}"])
     assert config.job.description == description and config.parallelism.tensor_parallel_overrides == tp_overrides
     reloaded = load_config(write(tmp_path, "resolved.toml", to_toml(config)))
@@ -270,7 +271,8 @@ CLI_ERRORS = [
     (["--world-size", "8"], ["--world-size: only used with --dry-run"]),
     (["--training.global_batch_size", "12", "--parallelism.data_parallel_shard_degree", "1"],
      ["global_batch_size=12", "local_batch_size 8"]),
-    (["--parallelism.tensor_parallel_degree", "3", "--training.seq_len", "96"], ["tensor_parallel_degree=3", "n_heads=16"]),
+    (["--parallelism.tensor_parallel_degree", "3", "--training.seq_len", "96"],
+     ["tensor_parallel_degree=3", "n_heads=16"]),
     (["--parallelism.tensor_parallel_degree", "16"], ["tensor_parallel_degree=16", "n_kv_heads=8"]),
     (["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "31", "--model.overrides.n_heads", "2",
       "--model.overrides.n_kv_heads", "2"], ["seq_len=31", "tensor_parallel_degree=2"]),
@@ -280,8 +282,9 @@ CLI_ERRORS = [
      ["seq_len=30", "2 * [parallelism] context_parallel_degree=2", "4 equal chunks"]),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4", "--training.seq_len",
       "36"], ["seq_len=36 / context_parallel_degree 2 = 18 tokens per rank", "tensor_parallel_degree=4"]),
-    (["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
-      "--model.flavor", "tiny", "--training.seq_len", "32"], ["context_parallel_degree=2", "tiny_gpt", "cp_buffers"]),
+    (["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt",
+      "--model.name", "tiny_gpt", "--model.flavor", "tiny", "--training.seq_len", "32"],
+     ["context_parallel_degree=2", "tiny_gpt", "cp_buffers"]),
 ]
 
 
@@ -405,7 +408,8 @@ TOML_PIECES = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(lines=st.lists(TOML_PIECES, max_size=6))
 def test_fuzz_toml_never_crashes(tmp_path, lines):
     path = tmp_path / "fuzz.toml"

@@ -33,7 +33,8 @@ def test_shard_and_buffer_follow_the_same_positions():
 
 
 def test_dry_run_shows_the_context_parallel_split(tmp_path):
-    plan = load_plan(["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "4", "--parallelism.data_parallel_shard_degree", "2",
+    plan = load_plan(["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "4",
+                      "--parallelism.data_parallel_shard_degree", "2",
                       "--training.seq_len", "8192", "--job.dump_folder", str(tmp_path)], 8)
     text = describe_plan(plan)
     assert "dp_shard 2 * cp 4 * tp 1 * pp 1 = 8 ranks" in text

@@ -248,11 +248,13 @@ def test_hub_path_streams_from_a_local_dataset_repo(tmp_path):
     ds = load_documents(*docs_args(training(dataset=str(repo))))
     assert isinstance(ds, datasets.IterableDataset)
     assert [row["text"] for row in ds] == DOCS
-    ld = PackedBatchLoader(ds, Tokenizer(max_ranks=300), text_column="text", seq_len=7, local_batch_size=2, accum_steps=1)
+    ld = PackedBatchLoader(ds, Tokenizer(max_ranks=300), text_column="text", seq_len=7, local_batch_size=2,
+                           accum_steps=1)
     ld.next_step()
     state = ld.state_dict()
     expected = ld.next_step()
-    ld2 = PackedBatchLoader(ds, Tokenizer(max_ranks=300), text_column="text", seq_len=7, local_batch_size=2, accum_steps=1)
+    ld2 = PackedBatchLoader(ds, Tokenizer(max_ranks=300), text_column="text", seq_len=7, local_batch_size=2,
+                            accum_steps=1)
     ld2.load_state_dict(state)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(expected, ld2.next_step()))
 

@@ -29,7 +29,8 @@ def test_document_ids_begin_after_each_end_of_text():
     tokens = torch.tensor([[5, 6, EOS, 7, EOS, EOS, 8], [9, 9, 9, 9, 9, 9, 9]])
     assert document_ids(tokens, EOS).tolist() == [[0, 0, 0, 1, 1, 2, 3], [0] * 7]
     # GPT-2's <|endoftext|> both begins and ends documents: E text E E text E
-    assert document_ids(torch.tensor([[EOS, 5, 6, EOS, EOS, 7, 8, EOS]]), EOS, EOS).tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
+    assert (document_ids(torch.tensor([[EOS, 5, 6, EOS, EOS, 7, 8, EOS]]), EOS, EOS).tolist()
+            == [[0, 0, 0, 0, 1, 1, 1, 1]])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

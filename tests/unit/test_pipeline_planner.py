@@ -155,7 +155,8 @@ def test_calibration_recovers_the_costs_that_made_the_measurements(counts):
                        + [(5.0, 0.0)], tokens=1, tp=1, recompute=[False] * 6, flops_per_second=None,
                        send_bytes=0, link_bytes_per_second=1, link_latency=0)
     truth = {"F": (0.002, 0.010, 0.001, 0.007), "I": (0.003, 0.012, 0.0, 0.006), "W": (0.001, 0.008, 0.002, 0.005)}
-    parts = {k: (pre, *(per_unit * u for u in units.parts[k][1:-1]), post) for k, (_, per_unit, pre, post) in truth.items()}
+    parts = {k: (pre, *(per_unit * u for u in units.parts[k][1:-1]), post)
+             for k, (_, per_unit, pre, post) in truth.items()}
     parts["B"] = tuple(i + w for i, w in zip(parts["I"], parts["W"]))
     known = PartCosts(parts, {k: truth[k][0] for k in "FIW"} | {"B": truth["I"][0] + truth["W"][0]}, 0.0, "s", "known")
     table = known.stage_table(counts)
@@ -204,7 +205,8 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     assert plan.pipeline.counts == (2, 1, 2, 1)
     # ms per action: F 1 + 4 per block (+3 output); I 0.5 + 5 per block (+2 output), none on stage 0;
     # W 0.5 + 3 per block (+2 output), and stage 0's W holds its blocks' I too (torch's split backward)
-    seconds = {"F": [9e-3, 5e-3, 9e-3, 8e-3], "I": [0.5e-3, 5.5e-3, 10.5e-3, 7.5e-3], "W": [16.5e-3, 3.5e-3, 6.5e-3, 5.5e-3]}
+    seconds = {"F": [9e-3, 5e-3, 9e-3, 8e-3], "I": [0.5e-3, 5.5e-3, 10.5e-3, 7.5e-3],
+               "W": [16.5e-3, 3.5e-3, 6.5e-3, 5.5e-3]}
     actions = [(k, s, v) for k, row in seconds.items() for s, v in enumerate(row) for _ in range(8)]
     text = calibration.add(5, actions, {0: 0.1, 1: 0.2}, 0.5)
     assert "Bubble per pp rank measured 10.0%/20.0%" in text and str(tmp_path / "pipeline_costs.json") in text
@@ -235,7 +237,8 @@ def test_the_transfer_time_is_fitted_to_the_measured_span():
 
 
 def splits_of(n: int, stages: int) -> list[tuple[int, ...]]:
-    return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, n))) for cuts in itertools.combinations(range(1, n), stages - 1)]
+    return [tuple(b - a for a, b in zip((0, *cuts), (*cuts, n)))
+            for cuts in itertools.combinations(range(1, n), stages - 1)]
 
 
 def test_a_csv_schedule_is_planned_by_its_own_actions(tmp_path):
@@ -265,7 +268,8 @@ def test_among_equal_steps_the_most_even_stages_win():
     parts = {"F": (0.0,) + (1.0,) * 12 + (20.0,), "I": (0.0,) + (1.0,) * 12 + (20.0,),
              "W": (0.0,) + (1.0,) * 12 + (20.0,)}
     parts["B"] = tuple(i + w for i, w in zip(parts["I"], parts["W"]))
-    sim = Simulator(PartCosts(parts, {k: 0.0 for k in KINDS}, 0.0, "units", "test"), program_for("ZBVZeroBubble", 2, 4, 2))
+    sim = Simulator(PartCosts(parts, {k: 0.0 for k in KINDS}, 0.0, "units", "test"),
+                    program_for("ZBVZeroBubble", 2, 4, 2))
     # stage 1 up to 5 blocks: the step does not change (stage 1's first forward is off rank 0's path)
     ties = {c: sim.predict(c).makespan for c in ((1, a, 10 - a, 1) for a in range(1, 6))}
     assert len(set(ties.values())) == 1 and min(brute_force(sim)) == next(iter(ties.values()))

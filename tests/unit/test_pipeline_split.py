@@ -98,7 +98,8 @@ def test_manual_split_points():
             "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"), "needs exactly 2 stages per rank, got 3"),
         (pp(4, "--parallelism.pipeline_parallel_schedule", "DualPipeV"),
          "pipeline_parallel_degree=4: 8 stages (2 per rank) but the model has only 6 layers"),
-        (pp(2, "--parallelism.pipeline_parallel_schedule", "ZeroBubbleV"), "got 'ZeroBubbleV', expected one of 'GPipe'"),
+        (pp(2, "--parallelism.pipeline_parallel_schedule", "ZeroBubbleV"),
+         "got 'ZeroBubbleV', expected one of 'GPipe'"),
         (pp(2, "--parallelism.pipeline_parallel_schedule", "1f1b_"), "did you mean '1F1B'"),
         (pp(2, "--parallelism.pipeline_parallel_microbatch_size", "3"),
          "pipeline_parallel_microbatch_size=3 must divide [training] local_batch_size=8"),
@@ -316,8 +317,10 @@ def test_dry_run_shows_state_and_activations_per_rank():
     per_token = LLAMA.activation_bytes(plan.model_args, dtype_bytes=2)
     tokens = 256
     documents = tokens * 2 + per_token.documents
-    stage0 = tokens * (per_token.pre + sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[0].blocks) + documents)
-    stage1 = tokens * (sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[1].blocks) + per_token.post + documents)
+    stage0 = tokens * (per_token.pre + sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[0].blocks)
+                       + documents)
+    stage1 = tokens * (sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[1].blocks) + per_token.post
+                       + documents)
     assert plan.activation_peaks("cuda") == pytest.approx([2 * stage0, stage1])
     assert "state GiB  activations GiB  total GiB" in text
     assert f"{2 * stage0 / 2**30:.2f}" in text.split("activations GiB")[1]
@@ -372,7 +375,8 @@ def test_the_manual_front_end_refuses_blocks_it_cannot_delete():
 
     register_model(dataclasses.replace(get_model_spec("seq_gpt"), name="seq_gpt_claims_manual", manual_split=True))
     with pytest.raises(ConfigError) as info:
-        load_plan(pp(2, "--model.name", "seq_gpt_claims_manual", "--model.flavor", "tiny", "--model.attn_mask_type", "causal"))
+        load_plan(pp(2, "--model.name", "seq_gpt_claims_manual", "--model.flavor", "tiny",
+                     "--model.attn_mask_type", "causal"))
     assert 'holds its blocks (blocks) in a Sequential, not a ModuleDict' in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -434,7 +438,8 @@ def test_the_tracer_refuses_low_precision_compute():
         plan.check_traced_dtype(torch.device("cuda"))
     assert str(info.value).startswith("[training] mixed_precision_param = 'auto' gives bfloat16 compute on cuda")
     with pytest.raises(ConfigError):
-        load_plan(pp(2, *TRACER, "--training.mixed_precision_param", "bfloat16")).check_traced_dtype(torch.device("cpu"))
+        load_plan(pp(2, *TRACER, "--training.mixed_precision_param", "bfloat16")).check_traced_dtype(
+            torch.device("cpu"))
     load_plan(pp(2, "--training.mixed_precision_param", "bfloat16")).check_traced_dtype(torch.device("cuda"))  # manual
 
 
@@ -446,8 +451,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from tests.conftest import load_plan
 from trainer.models.init import materialize_
 from trainer.parallel.pipeline import trace_pipeline, traced_stages
-plan = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend", "tracer", "--model.attn_mask_type", "causal",
-                  "--training.seq_len", "16"], world_size=2)
+plan = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend", "tracer",
+                  "--model.attn_mask_type", "causal", "--training.seq_len", "16"], world_size=2)
 whole = plan.build_model()
 materialize_(whole, torch.device("cpu"), 0)
 mine, other = weakref.ref(whole.layers["0"].attention.wq.weight), weakref.ref(whole.layers["5"].attention.wq.weight)

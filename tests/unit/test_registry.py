@@ -7,11 +7,13 @@ from tests.conftest import load_plan
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
-GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
+GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
+       "--model.flavor", "tiny"]
 
 
 def test_custom_family_trains_from_config(tiny_run_args):
-    result = train_mod.main(load_config(overrides=tiny_run_args + GPT + ["--training.steps", "30", "--optimizer.lr", "3e-3"]))
+    result = train_mod.main(load_config(overrides=tiny_run_args + GPT
+                                        + ["--training.steps", "30", "--optimizer.lr", "3e-3"]))
     assert result.losses[-1] < result.losses[0] - 0.5
 
 

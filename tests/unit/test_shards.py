@@ -185,8 +185,8 @@ def test_prefetch_reads_the_next_step_in_the_background_and_gives_the_same_batch
 
 def test_shards_made_with_another_tokenizer_are_refused(shards):
     other = Tokenizer(max_ranks=400)
-    with pytest.raises(UserError, match=r"prepared with tokenizer tiktoken:.*ranks=300 \(vocabulary 302\), but \[model\]"
-                                        r" uses tiktoken:.*ranks=400 \(vocabulary 402\)"):
+    with pytest.raises(UserError, match=r"prepared with tokenizer tiktoken:.*ranks=300 \(vocabulary 302\),"
+                                        r" but \[model\] uses tiktoken:.*ranks=400 \(vocabulary 402\)"):
         shards.check_tokenizer(other.identity, other.vocab_size)
 
 
@@ -264,7 +264,8 @@ def test_prepare_command(tmp_path):
     assert done.returncode == 0, done.stderr
     assert f"{len(DOCS)} documents" in done.stdout and (out / "index.json").is_file()
     again = subprocess.run(cmd, capture_output=True, text=True)
-    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "already holds a prepared dataset" in again.stderr
+    assert (again.returncode == 2 and again.stderr.count("\n") == 1
+            and "already holds a prepared dataset" in again.stderr)
     missing = subprocess.run([sys.executable, "-m", "trainer.prepare", str(tmp_path / "x"), "--training.dataset_path",
                               str(tmp_path / "nope.jsonl")], capture_output=True, text=True)
     assert missing.returncode == 2 and "dataset_path" in missing.stderr and "Traceback" not in missing.stderr
@@ -279,7 +280,8 @@ def test_prepare_command(tmp_path):
     tokens.write_bytes(bytes(data))
     bad = subprocess.run(verify, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert "--verify: shard file" in bad.stderr and "tokens-00000.bin has other contents than when it was prepared" in bad.stderr
+    assert ("--verify: shard file" in bad.stderr
+            and "tokens-00000.bin has other contents than when it was prepared" in bad.stderr)
     # --verify without a folder: the usage line, exit 2 (issue 34)
     usage = subprocess.run([sys.executable, "-m", "trainer.prepare", "--verify"], capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: python -m trainer.prepare")

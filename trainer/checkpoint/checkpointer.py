@@ -46,8 +46,9 @@ class Checkpointer:
                  tokenizer=None, attention: str = ""):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
         rank's file of a Hugging Face export (one writer per pipeline rank). ``batch`` is this run's global
-        batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer (its identity likewise; its files go
-        into the Hugging Face export); ``attention`` the ``[model] attn_mask_type``, saved and compared on resume."""
+        batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer (its identity likewise; its
+        files go into the Hugging Face export); ``attention`` the ``[model] attn_mask_type``, saved and compared
+        on resume."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
@@ -130,7 +131,8 @@ class Checkpointer:
         """Write the Hugging Face export of this step (every rank calls it: it gathers sharded weights)."""
         from trainer.hf import export_hf
 
-        export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}", torch_dtype(self.cfg.export_dtype),
+        export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}",
+                  torch_dtype(self.cfg.export_dtype),
                   pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer, tokenizer=self.tokenizer_files)
 
     def export_finished(self, step: int) -> None:

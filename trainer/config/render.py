@@ -74,7 +74,8 @@ def to_toml(config: JobConfig) -> str:
 
 def help_text() -> str:
     lines = [
-        "usage: train.py [--job.config_file FILE] [--section.key VALUE ...] [--print-config] [--dry-run [--world-size N]]",
+        "usage: train.py [--job.config_file FILE] [--section.key VALUE ...] [--print-config]"
+        " [--dry-run [--world-size N]]",
         "",
         "Settings come from the schema defaults, then the TOML file, then the command line.",
         "Forms: --section.key VALUE, --section.key=VALUE, --section.key / --section.no-key for booleans,",

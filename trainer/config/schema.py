@@ -55,7 +55,8 @@ class Range:
 
 @dataclass(frozen=True)
 class TableEntries:
-    """A table key whose entries may themselves be small tables of single values (e.g. {weight = 3, split = "train"})."""
+    """A table key whose entries may themselves be small tables of single values (e.g. {weight = 3, split =
+    "train"})."""
 
 
 # Ceilings: far above any real job, low enough that a typo (10^20 steps) is one clear error instead of an overflow.
@@ -85,15 +86,18 @@ class Model:
     flavor: str = "debugmodel"
     """Size preset of the family (llama3: debugmodel, 270M, 1B, 3B, 8B, 70B, 405B)."""
     tokenizer_path: str = ""
-    """tiktoken BPE file (e.g. Llama 3's tokenizer.model) or Hugging Face tokenizer.json; empty = bundled cl100k_base."""
+    """tiktoken BPE file (e.g. Llama 3's tokenizer.model) or Hugging Face tokenizer.json; empty = bundled
+    cl100k_base."""
     tokenizer_vocab_size: Annotated[int, Range(ge=0, le=2**31 - 1)] = 0
     """Keep only the first N BPE ranks of the tokenizer file; 0 = as many as the model vocab holds."""
     tie_embeddings: bool = False
     """Share one weight between the input embedding and the output projection."""
     attn_mask_type: Literal["causal", "block_causal"] = "block_causal"
-    """block_causal: a token attends only to earlier tokens of its own document (documents end at the end-of-text token) and rotary positions restart at each document; causal: to every earlier token of the window."""
+    """block_causal: a token attends only to earlier tokens of its own document (documents end at the end-of-text token)
+    and rotary positions restart at each document; causal: to every earlier token of the window."""
     attn_backend: Literal["sdpa"] = "sdpa"
-    """Attention kernel: F.scaled_dot_product_attention (with an additive mask when a window holds several documents)."""
+    """Attention kernel: F.scaled_dot_product_attention (with an additive mask when a window holds several
+    documents)."""
     modules: list[str] = field(default_factory=list)
     """Python modules to import before the model is looked up (to register your own families)."""
     overrides: dict = field(default_factory=dict)
@@ -140,13 +144,16 @@ class DataLoader:
     subset: str = ""
     """Hugging Face dataset configuration name (e.g. 'en' for allenai/c4); empty = none."""
     streaming: bool = True
-    """Stream hub datasets instead of downloading and preparing them (streamed text is tokenized by every rank; see docs/training.md)."""
+    """Stream hub datasets instead of downloading and preparing them (streamed text is tokenized by every rank; see
+    docs/training.md)."""
     shuffle: bool = False
-    """Shuffle the windows of each epoch (a keyed permutation of window indices; exact on resume); off = source order."""
+    """Shuffle the windows of each epoch (a keyed permutation of window indices; exact on resume); off = source
+    order."""
     prefetch: bool = True
     """Read the next step's windows in a background thread while the current step runs."""
     cache_folder: str = "data_cache"
-    """Where raw text (bundled, local files, downloaded hub data) is tokenized into shards before training, relative to the dump folder."""
+    """Where raw text (bundled, local files, downloaded hub data) is tokenized into shards before training, relative to
+    the dump folder."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,9 +161,12 @@ class Training:
     dataset: str = "python_docs"
     """Dataset: 'python_docs' (bundled, offline) or a Hugging Face hub name; ignored when dataset_path is set."""
     dataset_path: str = ""
-    """Prepared token shards (python -m trainer.prepare), or local .txt/.json/.jsonl/.parquet file(s); overrides dataset."""
+    """Prepared token shards (python -m trainer.prepare), or local .txt/.json/.jsonl/.parquet file(s); overrides
+    dataset."""
     dataset_mix: Annotated[dict, TableEntries()] = field(default_factory=dict)
-    """Several datasets with weights, e.g. {"data/web" = 3, "data/code" = {weight = 1, split = "train[:90%]"}}: keys as dataset_path (or a dataset name), weights > 0, each dataset's own split or else [training.dataloader] split; replaces dataset and dataset_path."""
+    """Several datasets with weights, e.g. {"data/web" = 3, "data/code" = {weight = 1, split = "train[:90%]"}}: keys as
+    dataset_path (or a dataset name), weights > 0, each dataset's own split or else [training.dataloader] split;
+    replaces dataset and dataset_path."""
     local_batch_size: Annotated[int, Positive] = 8
     """Sequences per forward/backward on one data-parallel rank."""
     global_batch_size: Annotated[int, Range(gt=0, le=MAX_BATCH, also=(-1,))] = -1
@@ -168,7 +178,8 @@ class Training:
     steps: Annotated[int, Count] = 10
     """Optimizer steps to train for."""
     stop_at_step: Annotated[int, Count] | None = None
-    """End this run after this step (saving a checkpoint if enabled) while the LR schedule still spans steps; for time-limited jobs."""
+    """End this run after this step (saving a checkpoint if enabled) while the LR schedule still spans steps; for
+    time-limited jobs."""
     mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype: auto = bfloat16 on accelerators, float32 on CPU."""
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
@@ -190,7 +201,8 @@ class Parallelism:
     tensor_parallel_plan: Literal["model", "auto"] = "model"
     """TP plan: the model family's hand-written one, or derived automatically from the block's structure."""
     tensor_parallel_overrides: dict = field(default_factory=dict)
-    """With plan auto: per-module styles that replace the derived ones, e.g. {"mlp.c_fc" = "replicate"} (colwise, rowwise, replicate)."""
+    """With plan auto: per-module styles that replace the derived ones, e.g. {"mlp.c_fc" = "replicate"} (colwise,
+    rowwise, replicate)."""
     enable_sequence_parallel: bool = True
     """With tensor parallelism, shard norms and residuals along the sequence (sequence parallel)."""
     disable_loss_parallel: bool = False
@@ -205,23 +217,29 @@ class Parallelism:
     pipeline_parallel_split_points: list[str] = field(default_factory=list)
     """Module names that start a new pipeline stage, e.g. ["layers.4"]; empty = generated."""
     pipeline_parallel_split_mode: Literal["makespan", "flops", "params", "even"] = "makespan"
-    """Without split points: makespan = the split whose simulated step of the configured schedule is shortest (per-stage F/B/I/W costs, transfers, memory limit); flops / params = balance stages by FLOPs or parameters (embedding and output included); even = split layers evenly."""
+    """Without split points: makespan = the split whose simulated step of the configured schedule is shortest (per-stage
+    F/B/I/W costs, transfers, memory limit); flops / params = balance stages by FLOPs or parameters (embedding and
+    output included); even = split layers evenly."""
     pipeline_parallel_cost_file: str = ""
-    """Measured action durations (pipeline_costs.json, written by a run with [profiling] pipeline_timeline_steps) that the split planner and the dry run use instead of the FLOP model."""
+    """Measured action durations (pipeline_costs.json, written by a run with [profiling] pipeline_timeline_steps) that
+    the split planner and the dry run use instead of the FLOP model."""
     pipeline_parallel_device_tflops: Annotated[float, NonNegative] = 0.0
-    """Achieved TFLOP/s of one device, to predict the pipeline step in seconds and weigh transfers; 0 = relative units, transfers not modelled."""
+    """Achieved TFLOP/s of one device, to predict the pipeline step in seconds and weigh transfers; 0 = relative units,
+    transfers not modelled."""
     pipeline_parallel_link_gbytes_per_second: Annotated[float, Positive] = 25.0
     """Bandwidth between two pipeline ranks in GB/s, for the planner's transfer times."""
     pipeline_parallel_link_latency_us: Annotated[float, NonNegative] = 20.0
     """Latency of one transfer between pipeline ranks in microseconds, for the planner."""
     pipeline_parallel_memory_limit_gib: Annotated[float, NonNegative] = 0.0
-    """Memory per device the planner's split must fit (state + activations of each rank), GiB; 0 = the device's memory at launch, no limit in a dry run."""
+    """Memory per device the planner's split must fit (state + activations of each rank), GiB; 0 = the device's memory
+    at launch, no limit in a dry run."""
     pipeline_parallel_embedding_weight: Annotated[float, NonNegative] = 1.0
     """For split_mode even: the input embedding counts as this many layers on the first stage."""
     pipeline_parallel_output_weight: Annotated[float, NonNegative] = 1.0
     """For split_mode even: the final norm and output projection count as this many layers on the last stage."""
     pipeline_parallel_schedule: ScheduleName = "1F1B"
-    """Pipeline schedule (torch.distributed.pipelining); zero-bubble ones split the backward into input and weight passes."""
+    """Pipeline schedule (torch.distributed.pipelining); zero-bubble ones split the backward into input and weight
+    passes."""
     pipeline_parallel_schedule_csv: str = ""
     """CSV file defining a custom pipeline schedule; overrides pipeline_parallel_schedule."""
     pipeline_parallel_microbatch_size: Annotated[int, Range(gt=0, le=MAX_BATCH)] = 1
@@ -270,19 +288,26 @@ class Checkpoint:
     load_step: Annotated[int, Range(ge=0, le=MAX_COUNT, also=(-1,))] = -1
     """Resume from this step; -1 = the latest complete checkpoint."""
     initial_load_path: str = ""
-    """Weights to start from when the run folder has no checkpoint: a DCP step folder or a Hugging Face safetensors folder."""
+    """Weights to start from when the run folder has no checkpoint: a DCP step folder or a Hugging Face safetensors
+    folder."""
     verify: bool = True
-    """Record every checkpoint file's size and sha256 at save (checksums.json, hashed in parallel by the ranks) and check them before loading."""
+    """Record every checkpoint file's size and sha256 at save (checksums.json, hashed in parallel by the ranks) and
+    check them before loading."""
     fallback_on_damage: bool = True
-    """When the checkpoint to resume from fails verification: move it aside to step-N.damaged and resume from the previous complete one, with a warning; false = stop with an error. An explicit load_step never falls back."""
+    """When the checkpoint to resume from fails verification: move it aside to step-N.damaged and resume from the
+    previous complete one, with a warning; false = stop with an error. An explicit load_step never falls back."""
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts of the state not to load: model, optimizer, dataloader, train_state (step counter and LR schedule), rng; or 'model.<name>': saved model tensors under <name> (e.g. model.layers.4) that this model lacks, left behind instead of refusing the checkpoint."""
+    """Parts of the state not to load: model, optimizer, dataloader, train_state (step counter and LR schedule), rng; or
+    'model.<name>': saved model tensors under <name> (e.g. model.layers.4) that this model lacks, left behind instead of
+    refusing the checkpoint."""
     last_save_model_only: bool = True
-    """At the last step, also write the weights alone (in export_dtype) to <folder>/model-step-N; the full, resumable step-N is saved too."""
+    """At the last step, also write the weights alone (in export_dtype) to <folder>/model-step-N; the full, resumable
+    step-N is saved too."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the model-only final save and of the Hugging Face export."""
     export_hf: bool = False
-    """At the last step, also write the weights as Hugging Face safetensors (+ index, config.json) to <folder>/hf-step-N."""
+    """At the last step, also write the weights as Hugging Face safetensors (+ index, config.json) to
+    <folder>/hf-step-N."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,7 +336,8 @@ class Metrics:
     """Also send the metrics to Weights & Biases (needs the wandb package; project, entity and mode from the WANDB_*
     environment variables, e.g. WANDB_MODE=offline); its files go into the run's folder under save_tb_folder."""
     peak_flops: Annotated[float, NonNegative] = 0.0
-    """Peak FLOP/s of one device for MFU; 0 = look up known accelerators, or on CPU measure a float32 matmul at start."""
+    """Peak FLOP/s of one device for MFU; 0 = look up known accelerators, or on CPU measure a float32 matmul at
+    start."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -320,7 +346,8 @@ class Comm:
     """Timeout for process-group set-up, the first collectives and the first training step (the watchdog ends a rank
     whose first step makes no progress for this long), in seconds."""
     train_timeout_seconds: Annotated[int, Timeout] = 100
-    """Once training runs: timeout of every collective, and of the watchdog that ends a rank making no progress (no microbatch or pipeline step done) for this long, in seconds."""
+    """Once training runs: timeout of every collective, and of the watchdog that ends a rank making no progress (no
+    microbatch or pipeline step done) for this long, in seconds."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,14 +371,17 @@ class Profiling:
     profiler_active: Annotated[int, Count] = 1
     """Steps traced in each profile_freq window."""
     enable_memory_snapshot: bool = False
-    """On CUDA: record allocations and dump a memory snapshot every profile_freq steps (view at pytorch.org/memory_viz)."""
+    """On CUDA: record allocations and dump a memory snapshot every profile_freq steps (view at
+    pytorch.org/memory_viz)."""
     save_memory_snapshot_folder: str = "memory_snapshot"
     """Folder for memory snapshots, relative to the dump folder."""
     activation_memory_steps: list[int] = field(default_factory=list)
     """Steps at which every rank measures what autograd keeps for backward (saved-tensor hooks, each storage once)
     and logs its peak next to the plan's estimate (the dry run's activations column). Costs a hook per saved tensor."""
     pipeline_timeline_steps: list[int] = field(default_factory=list)
-    """Steps whose pipeline actions (F, B, I, W of each stage and microbatch) every rank times; merged into <save_traces_folder>/pipeline_timeline_step<N>.json (Chrome/Perfetto trace), with each pipeline rank's measured bubble logged. Pipelined jobs only."""
+    """Steps whose pipeline actions (F, B, I, W of each stage and microbatch) every rank times; merged into
+    <save_traces_folder>/pipeline_timeline_step<N>.json (Chrome/Perfetto trace), with each pipeline rank's measured
+    bubble logged. Pipelined jobs only."""
 
 
 @dataclass(frozen=True, kw_only=True)

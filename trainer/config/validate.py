@@ -202,7 +202,8 @@ def _check_activation_checkpoint(config: JobConfig) -> None:
             f"[activation_checkpoint] selective_ac_option: got {option!r}, expected 'op' or a positive integer"
         )
     schedule = p.pipeline_parallel_schedule
-    split = p.pipeline_parallel_degree > 1 and not p.pipeline_parallel_schedule_csv and SCHEDULES[schedule].split_backward
+    split = (p.pipeline_parallel_degree > 1 and not p.pipeline_parallel_schedule_csv
+             and SCHEDULES[schedule].split_backward)
     if split and ac.mode == "selective" and option == "op":
         raise ConfigError(
             f"[activation_checkpoint] selective_ac_option='op' cannot be used with [parallelism]"

@@ -108,7 +108,8 @@ def _log_mix(training: Training, shards: list[TokenShards]) -> None:
     logger.info("data mix of %d datasets (a split set by [training.dataloader] split applies to every dataset"
                 " without its own):", len(entries))
     for e, s in zip(entries, shards):
-        split = "prepared shards, read whole" if is_prepared(e.name) else f"split {e.split!r} ({'its own' if e.own_split else e.split_key})"
+        split = ("prepared shards, read whole" if is_prepared(e.name)
+                 else f"split {e.split!r} ({'its own' if e.own_split else e.split_key})")
         logger.info("  %s: weight %g (%.1f%% of windows), %s, %s documents, %s tokens", e.name, e.weight,
                     100 * e.weight / total, split, f"{s.num_documents:,}", f"{s.num_tokens:,}")
 
@@ -137,7 +138,8 @@ def build_train_loader(training: Training, tokenizer, *, dump_folder: str, seed:
 
 def build_eval_loader(validation: Validation, training: Training, tokenizer, *, dump_folder: str, accum_steps: int,
                       dp_rank: int, dp_degree: int, wait_seconds: float) -> tuple[WindowLoader, int]:
-    """The validation loader (source order, no shuffle, the training batch shape) and its global batches per evaluation."""
+    """The validation loader (source order, no shuffle, the training batch shape) and its global batches per
+    evaluation."""
     source = Source(validation.dataset, validation.dataset_path, validation.split, section="[validation]",
                     split_key="[validation] split")
     opts = training.dataloader

@@ -103,7 +103,8 @@ def load_documents(source: Source, opts: DataLoader) -> "datasets.Dataset | data
             ds = ds.select(range(part.from_, part.to))
     else:
         try:
-            ds = datasets.load_dataset(source.dataset, opts.subset or None, split=source.split, streaming=opts.streaming)
+            ds = datasets.load_dataset(source.dataset, opts.subset or None, split=source.split,
+                                       streaming=opts.streaming)
         except Exception as e:  # offline, unknown name, unknown split: all surface here
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(

@@ -163,7 +163,8 @@ class HFTokenizer:
                 f" tokenizer_config.json and for {', '.join(_EOS_NAMES)}); documents could not be separated"
             )
         # "specials-as-text": special-token text in documents is text (older shards matched it as control tokens)
-        self.identity = f"hf:{path.name}:sha256={_sha256(path)[:16]}:bos={self.bos_id}:eos={self.eos_id}:specials-as-text"
+        self.identity = (f"hf:{path.name}:sha256={_sha256(path)[:16]}:bos={self.bos_id}:eos={self.eos_id}"
+                         ":specials-as-text")
         self.path = path
 
     def _special_tokens(self, path: Path) -> tuple[str | None, str | None]:

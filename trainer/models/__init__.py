@@ -4,4 +4,5 @@ from trainer.models import llama, moe  # noqa: E402,F401  (register the built-in
 from trainer.models.registry import (ModelSpec, get_model_spec, import_model_modules, model_blocks, register_model,
                                      resolve_model_args)
 
-__all__ = ["ModelSpec", "get_model_spec", "import_model_modules", "model_blocks", "register_model", "resolve_model_args"]
+__all__ = ["ModelSpec", "get_model_spec", "import_model_modules", "model_blocks", "register_model",
+           "resolve_model_args"]

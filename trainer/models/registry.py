@@ -221,7 +221,8 @@ def import_model_modules(modules: list[str]) -> None:
     """Import the user modules named in ``[model] modules`` so they can register families."""
     for name in modules:
         if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name):
-            raise ConfigError(f"[model] modules: {name!r} is not a Python module name (like 'my_models' or 'pkg.models')")
+            raise ConfigError(f"[model] modules: {name!r} is not a Python module name"
+                              " (like 'my_models' or 'pkg.models')")
         try:
             importlib.import_module(name)
         except Exception as e:  # a syntax error or an exception raised by the module itself included
@@ -261,7 +262,8 @@ def resolve_model_args(spec: ModelSpec, model_section: Model) -> Any:
         current = getattr(args, key)
         if current is not None and not _same_kind(current, value):
             raise ConfigError(
-                f"[model.overrides] {key}: got {value!r}, expected a {type(current).__name__} like the flavor's {current!r}"
+                f"[model.overrides] {key}: got {value!r}, expected a {type(current).__name__}"
+                f" like the flavor's {current!r}"
             )
         if current is None and not _matches_annotation(hints.get(key), value):
             raise ConfigError(f"[model.overrides] {key}: got {value!r}, expected {_describe(hints.get(key))}")

@@ -5,7 +5,8 @@ every rank gets the same share of the causal attention work (an early and a late
 
 Attention: keys and values are all-gathered over the cp group (as Llama 3 was trained at long
 context) and each rank's queries attend to the sequence up to their own positions, one
-contiguous run (chunk) at a time, under a causal mask built from global positions. The gather is autograd-aware: its backward reduce-scatters the key/value
+contiguous run (chunk) at a time, under a causal mask built from global positions. The gather is
+autograd-aware: its backward reduce-scatters the key/value
 gradients back to the ranks that own them. With grouped-query attention only the kv heads are
 gathered. This runs on any backend and device, gloo on CPU included (torch's experimental
 ``context_parallel`` has no sharding rule for the CPU attention kernel).
@@ -73,7 +74,8 @@ class ContextParallelAttention(TorchFunctionMode):
             self.runs.append((a, b, prefix, run[:, None] >= torch.arange(prefix)[None, :]))
         self._masks: dict = {}
         self.calls = 0
-        """Attention calls rewritten so far: 0 after a forward means the model bypassed F.scaled_dot_product_attention."""
+        """Attention calls rewritten so far: 0 after a forward means the model bypassed
+        F.scaled_dot_product_attention."""
 
     def _mask(self, i: int, like: torch.Tensor) -> torch.Tensor:
         """Run ``i``'s mask as an additive float mask in ``like``'s dtype, made once and shared by every

@@ -25,7 +25,8 @@ EP_DIM_NAMES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 def init_distributed(device: torch.device, init_timeout_seconds: int) -> None:
     """Join the torchrun job: gloo for CPU tensors, the accelerator's backend for device tensors."""
-    backend = "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}"
+    backend = ("gloo" if device.type == "cpu"
+               else f"cpu:gloo,{device.type}:{dist.get_default_backend_for_device(device)}")
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=init_timeout_seconds))
 
 
@@ -95,7 +96,8 @@ class Meshes:
 
     @property
     def ddp(self) -> dist.ProcessGroup | None:
-        """Group of torch's DDP reducer (trainer.parallel.ddp) when the job is plain DDP (``ParallelDims.plain_ddp``)."""
+        """Group of torch's DDP reducer (trainer.parallel.ddp) when the job is plain DDP
+        (``ParallelDims.plain_ddp``)."""
         if self.world is None or not self.dims.plain_ddp:
             return None
         return self.world["dp_replicate"].get_group()

@@ -35,8 +35,8 @@ def resolve_tp_plan(spec: ModelSpec, layout: ModelLayout, whole: nn.Module, para
     loss_parallel = not parallelism.disable_loss_parallel
     if parallelism.tensor_parallel_plan == "auto":
         if not spec.auto_tp:
-            raise ConfigError(f"[parallelism] tensor_parallel_plan = \"auto\": model family {spec.name} must use its own"
-                              " plan; set tensor_parallel_plan = \"model\"")
+            raise ConfigError(f"[parallelism] tensor_parallel_plan = \"auto\": model family {spec.name}"
+                              " must use its own plan; set tensor_parallel_plan = \"model\"")
         if parallelism.enable_sequence_parallel:
             logger.warning("[parallelism] enable_sequence_parallel is not applied with tensor_parallel_plan = auto")
         return derive_tp_plan(whole, layout, tp=tp, seq_len=seq_len, loss_parallel=loss_parallel,

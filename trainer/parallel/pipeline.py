@@ -144,7 +144,8 @@ def build_schedule(plan: PipelinePlan, stages: list, *, n_microbatches: int, los
     if plan.traits.from_file:
         schedule = schedules._PipelineScheduleRuntime(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         data = Path(csv_path).read_bytes()
-        if data.startswith(b"\xef\xbb\xbf"):  # a byte-order mark (spreadsheet exports): torch reads it as part of a cell
+        # a byte-order mark (spreadsheet exports): torch reads it as part of a cell
+        if data.startswith(b"\xef\xbb\xbf"):
             with tempfile.NamedTemporaryFile("wb", suffix=".csv", delete=False) as copy:
                 copy.write(data[3:])
             try:

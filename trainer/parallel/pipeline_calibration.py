@@ -51,7 +51,8 @@ class Calibration:
         if self.plan_costs.unit != "s":  # relative units: compare shares of the measured total
             scale = sum(measured.values()) / max(sum(predicted.values()), 1e-30)
         per_rank = "; ".join(
-            f"pp rank {r} " + ", ".join(f"{k} {1e3 * measured[(r, k)]:.1f} ms (predicted {1e3 * scale * predicted[(r, k)]:.1f})"
+            f"pp rank {r} " + ", ".join(f"{k} {1e3 * measured[(r, k)]:.1f} ms"
+                                        f" (predicted {1e3 * scale * predicted[(r, k)]:.1f})"
                                         for k in KINDS if measured[(r, k)] or predicted[(r, k)])
             for r in ranks)
         fit = fit_costs(self.units, list(self.counts), self.actions)

@@ -93,7 +93,8 @@ def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[t
         total = 0.0
         for m in modules:
             total += sum(2.0 * sub.weight.numel() for sub in m.modules() if isinstance(sub, nn.Linear))
-            total += sum(sub.forward_flops_per_token() for sub in m.modules() if hasattr(sub, "forward_flops_per_token"))
+            total += sum(sub.forward_flops_per_token() for sub in m.modules()
+                         if hasattr(sub, "forward_flops_per_token"))
         return total
 
     def present(names: tuple[str, ...]) -> list[nn.Module]:

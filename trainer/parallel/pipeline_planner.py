@@ -132,7 +132,8 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
         _descend(start, evaluate, budget, state)
     lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, state)
     if lower is not None:  # no rank works less than the average rank: the step is at least that long
-        lower = max(lower, sum(sim.stage_load(sim.costs.stage_table(even), s) for s in range(stages)) / len(sim.stage_ids))
+        lower = max(lower, sum(sim.stage_load(sim.costs.stage_table(even), s) for s in range(stages))
+                    / len(sim.stage_ids))
     return _result(kept, total, state, exact=lower is None, lower=lower)
 
 
@@ -154,7 +155,8 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     target = []
     for s in range(stages):
         r = owner[s]
-        extra = (extra_first if 0 in sim.stage_ids[r] else 0.0) + (extra_last if stages - 1 in sim.stage_ids[r] else 0.0)
+        extra = ((extra_first if 0 in sim.stage_ids[r] else 0.0)
+                 + (extra_last if stages - 1 in sim.stage_ids[r] else 0.0))
         target.append(max(share - extra, 0.0) / len(sim.stage_ids[r]))
     weights = [t / per_block[0] for t in target]  # blocks each stage should get
     scale = n / sum(weights) if sum(weights) else 1.0

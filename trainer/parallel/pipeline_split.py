@@ -262,7 +262,8 @@ class PipelineParallel(Technique):
         if p.pipeline_parallel_frontend == "manual":
             if not spec.manual_split:
                 raise ConfigError(f"{key} = \"manual\": model family {spec.name} cannot run with stages' modules"
-                                  " removed (ModelSpec.manual_split = False); set pipeline_parallel_frontend = \"tracer\"")
+                                  " removed (ModelSpec.manual_split = False);"
+                                  " set pipeline_parallel_frontend = \"tracer\"")
             blocks = getattr(facts.whole, spec.layers_attr, None)
             if not isinstance(blocks, nn.ModuleDict):
                 raise ConfigError(f"{key} = \"manual\": model family {spec.name} holds its blocks ({spec.layers_attr})"
@@ -283,7 +284,8 @@ class PipelineParallel(Technique):
         ]
         for bad, what in refused:
             if bad:
-                raise ConfigError(f"{key} = \"tracer\" does not compose with {what}; use the manual front-end or drop it")
+                raise ConfigError(f"{key} = \"tracer\" does not compose with {what};"
+                                  " use the manual front-end or drop it")
         if facts.model.attn_mask_type == "block_causal":
             raise ConfigError(f'[model] attn_mask_type = "block_causal" with {key} = "tracer": not supported (a traced'
                               ' stage takes the hidden states only, not the documents); set [model] attn_mask_type ='

@@ -112,14 +112,16 @@ class PipelineTimeline:
         (self.folder / f"pipeline_timeline_step{step}.json").write_text(json.dumps(trace))
         (self.folder / f"pipeline_timeline_step{step}.svg").write_text(timeline_svg(trace, simulated, step))
         logger.info("pipeline timeline of step %d: %s (picture %s); measured bubble %s%s", step,
-                    self.folder / f"pipeline_timeline_step{step}.json", self.folder / f"pipeline_timeline_step{step}.svg",
+                    self.folder / f"pipeline_timeline_step{step}.json",
+                    self.folder / f"pipeline_timeline_step{step}.svg",
                     ", ".join(f"pp rank {p} {100 * b:.1f}%" for p, b in sorted(bubbles.items())), versus_model)
         if self.calibration is not None:
             # the first rank of each pipeline rank stands for its TP/FSDP peers, as in the bubble
             first = {}
             for r in ranks:
                 first.setdefault(r["pp_rank"], r)
-            own = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9) for r in first.values() for e in r["events"]]
+            own = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9)
+                   for r in first.values() for e in r["events"]]
             try:
                 logger.info("%s", self.calibration.add(step, own, bubbles, trace["otherData"]["span_us"] / 1e6))
             except Exception as e:  # noqa: BLE001 (a diagnostic must not end the run)
@@ -144,9 +146,9 @@ def merge_timeline(ranks: list[dict], step: int) -> tuple[dict, dict[int, float]
         # ranks of one pipeline rank (TP/FSDP peers) run the same actions: the first one stands for them
         busy.setdefault(r["pp_rank"], sum(e["end_ns"] - e["start_ns"] for e in r["events"]))
     bubbles = {p: 1 - b / span for p, b in busy.items()}
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"step": step, "span_us": span / 1e3, "bubble": {str(p): b for p, b in bubbles.items()}}}, \
-        bubbles
+    trace = {"traceEvents": events, "displayTimeUnit": "ms",
+             "otherData": {"step": step, "span_us": span / 1e3, "bubble": {str(p): b for p, b in bubbles.items()}}}
+    return trace, bubbles
 
 
 _COLORS = {"F": "#4e79a7", "B": "#e15759", "I": "#f28e2b", "W": "#59a14f"}

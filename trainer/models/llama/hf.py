@@ -108,7 +108,8 @@ def require(config: dict, key: str):
 def ffn_args(hidden: int, dim: int, base: LlamaArgs) -> dict:
     """``multiple_of`` and ``ffn_dim_multiplier`` that give a SwiGLU hidden size of ``hidden`` for ``dim``: the
     base flavor's when they do, else a rounding without multiplier, else a multiplier rounded up to ``hidden``."""
-    if LlamaArgs(dim=dim, multiple_of=base.multiple_of, ffn_dim_multiplier=base.ffn_dim_multiplier).ffn_hidden_dim == hidden:
+    if LlamaArgs(dim=dim, multiple_of=base.multiple_of,
+                 ffn_dim_multiplier=base.ffn_dim_multiplier).ffn_hidden_dim == hidden:
         return {"multiple_of": base.multiple_of, "ffn_dim_multiplier": base.ffn_dim_multiplier}
     if base.ffn_dim_multiplier is None:
         for multiple in (1024, 512, 256, 128, 64, 32, 16, 8):

@@ -41,7 +41,8 @@ def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     seq = x.shape[1]
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (batch, seq, heads, head_dim/2)
     per_token = table.dim() == 4
-    angles = torch.view_as_complex(table[:, :seq, None] if per_token else table[:seq, None])  # (..., seq, 1, head_dim/2)
+    # (..., seq, 1, head_dim/2)
+    angles = torch.view_as_complex(table[:, :seq, None] if per_token else table[:seq, None])
     return torch.view_as_real(pairs * angles).flatten(-2).type_as(x)
 
 
@@ -80,10 +81,12 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
             if start and seq > 1:  # new positions attend to every cached one and causally among themselves
-                mask = torch.arange(start + seq, device=x.device) <= torch.arange(start, start + seq, device=x.device)[:, None]
+                mask = (torch.arange(start + seq, device=x.device)
+                        <= torch.arange(start, start + seq, device=x.device)[:, None])
         # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads. On CUDA, no fused kernel
         # takes both a mask and grouped heads (flash takes no mask, memory-efficient no enable_gqa), and the
-        # fallback keeps every head's scores: with a mask, the kv heads are repeated instead (the CPU kernel takes both).
+        # fallback keeps every head's scores: with a mask, the kv heads are repeated instead (the CPU kernel
+        # takes both).
         grouped = q.shape[2] != k.shape[2]
         if grouped and mask is not None and q.is_cuda:
             k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
@@ -98,10 +101,11 @@ def document_attention(documents: torch.Tensor | None, table: torch.Tensor,
     """(rotary table, attention mask) for windows of ``documents``, built once per forward and shared by the
     layers: the table gathered at each token's position within its document, (batch, seq, head_dim / 2, 2),
     and an additive mask (0 where a query may see a key: earlier or same position, same document; -inf
-    elsewhere), (batch, 1, seq, seq), in the dtype attention computes in: autocast's, else ``hidden``'s. An additive mask in the activations' dtype is what the attention
-    kernel keeps for backward; a boolean one would be converted, and kept, anew by every layer. A batch in
-    which every window is one document (the common case with long documents) keeps the causal kernel and
-    the table as they are: no mask, the same positions."""
+    elsewhere), (batch, 1, seq, seq), in the dtype attention computes in: autocast's, else ``hidden``'s. An
+    additive mask in the activations' dtype is what the attention kernel keeps for backward; a boolean one
+    would be converted, and kept, anew by every layer. A batch in which every window is one document (the
+    common case with long documents) keeps the causal kernel and the table as they are: no mask, the same
+    positions."""
     if documents is None or not bool(documents.any()):
         return table, None
     seq = documents.shape[1]

@@ -15,7 +15,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 
-def build_tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+def build_tp_plan(
+    *, sequence_parallel: bool, loss_parallel: bool
+) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
     """(plan for top-level modules, plan for the modules of one block).
 
     With sequence parallelism the residual stream between blocks is sharded along the
@@ -48,7 +50,8 @@ def build_tp_plan(*, sequence_parallel: bool, loss_parallel: bool) -> tuple[dict
                 "attention_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
                 # forward(x, rope): gather x's sequence shards; rope is a plain, replicated tensor.
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
+                                                desired_input_layouts=(Replicate(), None)),
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
         )

@@ -107,7 +107,8 @@ def from_config(config: dict, base: MoEArgs) -> dict:
     llama_hf._refuse_unless(config, {"hidden_act": ("silu",), "attention_bias": (False,),
                                      "decoder_sparse_step": (1,), "use_sliding_window": (False,)}, "moe")
     require = llama_hf.require
-    dim, heads, layers = require(config, "hidden_size"), require(config, "num_attention_heads"), require(config, "num_hidden_layers")
+    dim, heads, layers = (require(config, "hidden_size"), require(config, "num_attention_heads"),
+                          require(config, "num_hidden_layers"))
     dense = list(config.get("mlp_only_layers") or [])
     if dense != list(range(len(dense))):
         raise UserError(f"config.json mlp_only_layers = {dense}: the moe family has its dense blocks first"
@@ -118,7 +119,8 @@ def from_config(config: dict, base: MoEArgs) -> dict:
             "vocab_size": require(config, "vocab_size"), "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
             "rope_theta": llama_hf.rope_theta(config), "qk_norm": True, "n_dense_layers": len(dense),
             "dense_hidden_dim": require(config, "intermediate_size"),
-            "expert_hidden_dim": require(config, "moe_intermediate_size"), "n_experts": require(config, "num_experts" if "num_experts" in config else "num_local_experts"),
+            "expert_hidden_dim": require(config, "moe_intermediate_size"),
+            "n_experts": require(config, "num_experts" if "num_experts" in config else "num_local_experts"),
             "top_k": require(config, "num_experts_per_tok"), "norm_topk": bool(config.get("norm_topk_prob", False)),
             "n_shared_experts": 0, "score_func": "softmax", "route_scale": 1.0, "bias_update_speed": 0.0,
             "tie_embeddings": bool(config.get("tie_word_embeddings", False))}
