@@ -86,6 +86,12 @@ class ModelParts:
         return stack
 
     @property
+    def stage_shapes_given(self) -> bool:
+        """Whether a technique needs pipeline stages built with their input and output shapes given
+        (``Technique.skips_stage_inference``)."""
+        return any(t.skips_stage_inference for t in self.techniques)
+
+    @property
     def casts_parameters(self) -> bool:
         """Whether a technique (FSDP) casts parameters to the compute dtype, so that autocast is not needed."""
         return any(t.casts_parameters for t in self.techniques)
@@ -198,7 +204,7 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
         del traced  # the other stages' submodules (and the whole model's tensors) can go
     elif pipeline is not None:
         stages = manual_stages(pipeline, chunks, stage_ids, pp_mesh=meshes.pp, device=device,
-                               example_args=_stage_examples(plan, device) if meshes.ep is not None else None)
+                               example_args=_stage_examples(plan, device) if parts.stage_shapes_given else None)
     if pipeline is not None:
         parts.schedule = build_schedule(pipeline, stages, n_microbatches=plan.n_microbatches, loss_fn=summed_loss,
                                         csv_path=plan.schedule_csv)

@@ -64,6 +64,9 @@ class Technique:
     name: ClassVar[str] = ""
     casts_parameters: ClassVar[bool] = False
     """Whether applying it casts parameters to the compute dtype itself (else autocast does mixed precision)."""
+    skips_stage_inference: ClassVar[bool] = False
+    """Whether pipeline stages must be given their shapes instead of inferring them with a forward and backward
+    (whose collectives the technique's peers would not join in the same order)."""
 
     @classmethod
     def check(cls, facts: PlanFacts) -> None:
