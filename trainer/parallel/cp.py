@@ -21,14 +21,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed import _functional_collectives as funcol
 from torch.overrides import TorchFunctionMode
 
 from trainer.errors import ConfigError, UserError
 from trainer.parallel.technique import ChunkSetup, PlanFacts, Technique
 
-# torch 2.13 renamed the autograd-aware all-gather (the old name warns); 2.11 has only the old one.
-_all_gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
+def _all_gather(tensor: torch.Tensor, *, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """The autograd-aware all-gather (imported here: a job without CP does not load the functional collectives).
+    torch 2.13 renamed it (the old name warns); 2.11 has only the old one."""
+    from torch.distributed import _functional_collectives as funcol
+
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return gather(tensor, gather_dim=gather_dim, group=group)
 
 
 def load_balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
