@@ -34,7 +34,13 @@ class HalfSequences(Technique):
 
     def apply(self, chunk):
         self.calls["apply"] += 1
-        chunk.register_forward_pre_hook(lambda module, args: self.calls["lengths"].add(args[0].shape[1]))
+        self.calls["meta_at_apply"] = all(p.is_meta for p in chunk.parameters())
+
+        def seen(module, args):
+            self.calls["lengths"].add(args[0].shape[1])
+            self.calls["autocast"].add(torch.is_autocast_enabled("cpu"))
+
+        chunk.register_forward_pre_hook(seen)
 
     def after_materialize(self, chunk):
         assert not any(p.is_meta for p in chunk.parameters())
@@ -51,6 +57,9 @@ class HalfSequences(Technique):
     def step_context(self):
         return self._entered()
 
+    def gradient_sync(self, chunk, enabled):
+        self.calls["sync"].append(enabled)
+
     def after_first_step(self):
         self.calls["first_step"] += 1
         if self.refuse_after_step:
@@ -62,7 +71,7 @@ class HalfSequences(Technique):
 @pytest.fixture
 def toy(monkeypatch):
     HalfSequences.calls = {"check": 0, "build": 0, "apply": 0, "materialized": 0, "contexts": 0, "first_step": 0,
-                           "lengths": set()}
+                           "lengths": set(), "autocast": set(), "sync": []}
     monkeypatch.setattr(parallelize, "TECHNIQUES", [*parallelize.TECHNIQUES, HalfSequences])
     return HalfSequences
 
@@ -77,10 +86,21 @@ def test_a_technique_registered_in_the_list_runs_everywhere(toy, tiny_args):
     calls = toy.calls
     assert calls["check"] == 1 and calls["build"] == 1  # one plan, one rank
     assert calls["apply"] == 1 and calls["materialized"] == 1  # one chunk
+    assert calls["meta_at_apply"]  # applied before the weights exist
     assert calls["lengths"] == {seq_len // 2}  # every forward, training and validation, saw its shard
     # 2 steps x 2 accumulation microbatches, then 1 validation batch of 2 microbatches
     assert calls["contexts"] == 2 * 2 + 2
     assert calls["first_step"] == 1
+    assert calls["sync"] == [False, True] * 2  # each step reduces with its last microbatch only
+    assert calls["autocast"] == {False}  # float32: no autocast
+
+
+@pytest.mark.parametrize("casts", [False, True])
+def test_a_technique_that_casts_parameters_turns_autocast_off(toy, tiny_args, monkeypatch, casts):
+    monkeypatch.setattr(toy, "casts_parameters", casts)
+    train_mod.main(load_config(overrides=[*tiny_args, "--training.steps", "1",
+                                          "--training.mixed_precision_param", "bfloat16"]))
+    assert toy.calls["autocast"] == {not casts}
 
 
 def test_its_plan_time_refusal_and_first_step_check_reach_the_user(toy, tiny_args, monkeypatch):

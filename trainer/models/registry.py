@@ -64,7 +64,7 @@ class HFAdapter(ABC):
 
     @property
     def reads_config(self) -> bool:
-        return type(self).from_config is not HFAdapter.from_config
+        return getattr(type(self), "from_config", None) not in (None, HFAdapter.from_config)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,20 @@ class ActivationBytes:
     """Under block-causal attention, what every pipeline stage keeps once for its blocks besides the mask
     (e.g. the rotary table gathered per token); the mask itself (seq_len values in the compute dtype per
     token) is counted by trainer/activation_memory.py."""
+
+
+class ExpertLayer(ABC):
+    """What expert parallelism (trainer.parallel.ep) needs of a family's mixture-of-experts layer: subclass it
+    next to nn.Module. ``experts`` holds the stacked expert weights (dim 0 = expert), which EP shards over the
+    ep ranks; ``n_experts`` counts them; ``set_dispatch`` installs how the layer's (token, expert) pairs reach
+    the experts (local by default, an all-to-all under EP)."""
+
+    experts: nn.Module
+    n_experts: int
+
+    @abstractmethod
+    def set_dispatch(self, dispatch: Callable) -> None:
+        """Route through ``dispatch(tokens sorted by expert, tokens per expert, compute) -> outputs`` from now on."""
 
 
 @dataclass(frozen=True)

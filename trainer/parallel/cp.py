@@ -156,11 +156,8 @@ class ContextParallel(Technique):
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, self.positions)
 
-    def attention(self) -> ContextParallelAttention:
-        """The mode to enter around each forward and backward (one instance: its masks are reused)."""
-        return self._attention
-
     def step_context(self) -> ContextParallelAttention:
+        """The mode entered around each forward and backward (one instance: its masks are reused)."""
         return self._attention
 
     def after_first_step(self) -> None:

@@ -13,12 +13,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.errors import ConfigError
+from trainer.models.registry import ExpertLayer
 from trainer.parallel.technique import ChunkSetup, PlanFacts, Technique
 
 
-def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """Modules routing tokens to experts: they have ``experts`` (stacked weights) and a ``dispatch``."""
-    return [m for m in model.modules() if hasattr(m, "dispatch") and hasattr(m, "experts")]
+def expert_modules(model: nn.Module) -> list[ExpertLayer]:
+    """The family's mixture-of-experts layers (``trainer.models.registry.ExpertLayer``)."""
+    return [m for m in model.modules() if isinstance(m, ExpertLayer)]
 
 
 class AllToAllDispatch:
@@ -63,7 +64,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
             param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
             setattr(moe.experts, name, param)
             params.append(param)
-        moe.dispatch = AllToAllDispatch(ep_mesh.get_group(), size, moe.n_experts)
+        moe.set_dispatch(AllToAllDispatch(ep_mesh.get_group(), size, moe.n_experts))
     return params
 
 

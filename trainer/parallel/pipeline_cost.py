@@ -221,7 +221,8 @@ def write_cost_file(path: Path, *, identity: dict, measured: dict, fit: dict) ->
 
 
 # What must match between the measured run and the planned job, and the key that sets each.
-IDENTITY_KEYS = {"model": "[model] name / flavor / overrides", "n_layers": "[model.overrides] n_layers",
+IDENTITY_KEYS = {"model": "[model] name / flavor / overrides",
+                 "n_layers": "[model] flavor / overrides (the number of blocks)",
                  "seq_len": "[training] seq_len", "microbatch_size": "[parallelism] pipeline_parallel_microbatch_size",
                  "tp": "[parallelism] tensor_parallel_degree", "cp": "[parallelism] context_parallel_degree",
                  "activation_checkpoint": "[activation_checkpoint] mode", "dtype": "[training] mixed_precision_param",

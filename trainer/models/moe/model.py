@@ -22,7 +22,7 @@ from trainer.models.llama.model import (
     swiglu_activation_bytes,
 )
 from trainer.models.moe.args import MoEArgs
-from trainer.models.registry import ActivationBytes
+from trainer.models.registry import ActivationBytes, ExpertLayer
 
 # (tokens sorted by expert (n, dim), tokens per expert (n_experts,), compute) -> outputs in the same order.
 # compute(tokens sorted by local expert, tokens per local expert) runs the experts this rank holds.
@@ -123,7 +123,7 @@ def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor, batch: in
     return (f * probs.mean(1)).sum(-1)
 
 
-class MoE(nn.Module):
+class MoE(nn.Module, ExpertLayer):
     """Routed experts plus optional shared ones. Counts the tokens each expert receives in training
     (read and reset by ``moe_after_step`` once per optimizer step)."""
 
@@ -138,6 +138,9 @@ class MoE(nn.Module):
         self.dispatch: Dispatch = local_dispatch
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(2), persistent=False)  # (sum over sequences, sequences)
+
+    def set_dispatch(self, dispatch: Dispatch) -> None:
+        self.dispatch = dispatch
 
     def forward_flops_per_token(self) -> float:
         """Forward FLOPs per token of the routed experts: the k chosen ones (the pipeline cost model)."""
