@@ -101,7 +101,7 @@ class JobPlan:
     def chunk_setup(self, meshes, device: torch.device) -> ChunkSetup:
         """What this rank's techniques are built from: their own config sections and the plan's derived values."""
         c = self.config
-        return ChunkSetup(meshes=meshes, spec=self.spec, parallelism=c.parallelism,
+        return ChunkSetup(meshes=meshes, spec=self.spec, layout=self.layout, parallelism=c.parallelism,
                           activation_checkpoint=c.activation_checkpoint, tp_plan=self.tp_plan, seq_len=self.seq_len,
                           param_dtype=self.compute_dtype(device),
                           reduce_dtype=torch_dtype(c.training.mixed_precision_reduce),

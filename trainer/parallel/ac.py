@@ -110,7 +110,7 @@ class ActivationCheckpointing(Technique):
     @classmethod
     def build(cls, setup: ChunkSetup) -> "ActivationCheckpointing | None":
         ac = setup.activation_checkpoint
-        return None if ac.mode == "none" else cls(ac.mode, ac.selective_ac_option, setup.spec.layers_attr)
+        return None if ac.mode == "none" else cls(ac.mode, ac.selective_ac_option, setup.layout.blocks)
 
     def apply(self, chunk: nn.Module) -> None:
         apply_ac(chunk, mode=self.mode, option=self.option, layers_attr=self.layers_attr)

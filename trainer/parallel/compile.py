@@ -22,7 +22,7 @@ class Compile(Technique):
 
     @classmethod
     def build(cls, setup: ChunkSetup) -> "Compile | None":
-        return cls(setup.spec.layers_attr) if setup.compile_enabled else None
+        return cls(setup.layout.blocks) if setup.compile_enabled else None
 
     def apply(self, chunk: nn.Module) -> None:
         apply_compile(chunk, layers_attr=self.layers_attr)

@@ -78,7 +78,7 @@ class FullyShardedDataParallel(Technique):
     casts_parameters = True
 
     def __init__(self, setup: ChunkSetup):
-        self.mesh, self.expert_mesh, self.spec = setup.meshes.fsdp, setup.meshes.expert_fsdp, setup.spec
+        self.mesh, self.expert_mesh, self.layout = setup.meshes.fsdp, setup.meshes.expert_fsdp, setup.layout
         self.param_dtype, self.reduce_dtype = setup.param_dtype, setup.reduce_dtype
         self.reshard, self.pipelined = setup.parallelism.fsdp_reshard_after_forward, setup.pipelined
 
@@ -88,6 +88,6 @@ class FullyShardedDataParallel(Technique):
 
     def apply(self, chunk: nn.Module) -> None:
         apply_fsdp(chunk, self.mesh, param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype,
-                   reshard_after_forward=self.reshard, layers_attr=self.spec.layers_attr,
-                   pre_layers=self.spec.pre_layers, post_layers=self.spec.post_layers, pipelined=self.pipelined,
+                   reshard_after_forward=self.reshard, layers_attr=self.layout.blocks,
+                   pre_layers=self.layout.pre, post_layers=self.layout.post, pipelined=self.pipelined,
                    expert_mesh=self.expert_mesh)

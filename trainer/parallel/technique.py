@@ -17,6 +17,7 @@ from torch import nn
 
 from trainer.config.schema import ActivationCheckpoint, Model, Parallelism
 from trainer.models import ModelSpec
+from trainer.models.registry import ModelLayout
 from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.mesh import Meshes
@@ -47,6 +48,8 @@ class ChunkSetup:
 
     meshes: Meshes
     spec: ModelSpec
+    layout: ModelLayout
+    """Where the blocks and the pre/post modules are (``ModelSpec.layout``)."""
     parallelism: Parallelism
     activation_checkpoint: ActivationCheckpoint
     tp_plan: TPPlan | None

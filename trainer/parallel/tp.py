@@ -71,7 +71,7 @@ class TensorParallel(Technique):
     def build(cls, setup: ChunkSetup) -> "TensorParallel | None":
         if setup.meshes.tp is None:
             return None
-        return cls(setup.meshes.tp, setup.tp_plan, setup.spec.layers_attr,
+        return cls(setup.meshes.tp, setup.tp_plan, setup.layout.blocks,
                    loss_parallel=not setup.parallelism.disable_loss_parallel)
 
     def apply(self, chunk: nn.Module) -> None:
