@@ -39,6 +39,10 @@ PARITY = [
     "--training.dataset_path", str(REPO / "tests" / "fixtures" / "short_documents.txt"),
     "--validation.dataset_path", str(REPO / "tests" / "fixtures" / "short_documents.txt"),  # its last 10%
 ]
+# PARITY without its Llama overrides: the run settings, for other model families.
+PARITY_RUN = [a for i, a in enumerate(PARITY)
+              if not (a.startswith("--model") or (i and PARITY[i - 1].startswith("--model")))]
+P = "--parallelism."
 
 
 def torchrun_command(nproc: int, args: list[str]) -> list[str]:

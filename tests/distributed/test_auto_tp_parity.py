@@ -7,18 +7,16 @@ gradient per step and value after the last step (tests/parity.py; fp32, CPU, glo
 
 import pytest
 
-from tests.distributed.harness import PARITY, Launches, run_layout, selected
+from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layout, selected
 from tests.parity import assert_parity, record
 from trainer.config import load_config
 
-P = "--parallelism."
 AUTO = [P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", P + "no-enable_sequence_parallel"]
 GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
        "--model.flavor", "tiny"]
 # PARITY's Llama overrides do not apply to the GPT family: keep only the run settings.
-RUN = [a for i, a in enumerate(PARITY) if not (a.startswith("--model") or (i and PARITY[i - 1].startswith("--model")))]
 FAMILIES = {"llama": PARITY + ["--model.overrides.n_layers", "4"],
-            "gpt": RUN + GPT + ["--model.overrides.n_layers", "4"]}
+            "gpt": PARITY_RUN + GPT + ["--model.overrides.n_layers", "4"]}
 LAYOUTS = {
     "TP2": (2, AUTO + ["--training.local_batch_size", "8"]),
     "FSDP2xTP2": (4, AUTO + [P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
@@ -43,7 +41,7 @@ def references(tmp_path_factory):
 @pytest.mark.slow
 def test_auto_tp_with_replicated_fused_attention(references, tmp_path):
     """The fused q/k/v projection stays replicated, the MLP is split: still the single-process numbers."""
-    fused = RUN + GPT[:-1] + ["tiny_fused", "--model.overrides.n_layers", "4"]
+    fused = PARITY_RUN + GPT[:-1] + ["tiny_fused", "--model.overrides.n_layers", "4"]
     reference, tensors = record(load_config(overrides=fused + ["--training.local_batch_size", "8", "--job.dump_folder",
                                                                str(tmp_path / "ref")]))
     result = run_layout(2, fused + LAYOUTS["TP2"][1], tmp_path, base=[])

@@ -12,12 +12,11 @@ and ties go to the lower expert index (a stable sort).
 import pytest
 
 from tests.conftest import load_plan
-from tests.distributed.harness import PARITY, Launches, run_layout, selected
+from tests.distributed.harness import Launches, P, PARITY, run_layout, selected
 from tests.distributed.test_pp_parity import check_activation_estimate
 from tests.parity import REPORT, assert_parity, compare, record
 from trainer.config import load_config
 
-P = "--parallelism."
 M = "--model.overrides."
 # 3 blocks (the first dense), 8 experts of which each token takes 2; 4 blocks when pipelined.
 MOE = ["--model.name", "moe", "--model.flavor", "debugmodel", M + "dim", "64", M + "n_heads", "4",

@@ -10,12 +10,11 @@ gloo); the worst tensor of each case is printed at the end of the run.
 import pytest
 
 from tests.conftest import load_plan
-from tests.distributed.harness import CAUSAL, PARITY, Launches, selected
+from tests.distributed.harness import CAUSAL, Launches, P, PARITY, selected
 from tests.parity import assert_parity, record
 from trainer.config import load_config
 from trainer.parallel.schedule_sim import schedule_ops
 
-P = "--parallelism."
 TIED = "--model.tie_embeddings"
 
 

@@ -8,11 +8,10 @@ summation order in the reductions. The worst tensor of each case is printed at t
 
 import pytest
 
-from tests.distributed.harness import CAUSAL, PARITY, Launches, run_layout, selected
+from tests.distributed.harness import CAUSAL, Launches, P, PARITY, run_layout, selected
 from tests.parity import assert_parity, compare, record
 from trainer.config import load_config
 
-P = "--parallelism."
 TIED = "--model.tie_embeddings"
 CP = P + "context_parallel_degree"
 # Every parity run's gradient norm is 0.6-0.9, below the default max_norm of 1.0: these cases clip at every step.

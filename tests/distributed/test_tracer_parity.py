@@ -15,19 +15,17 @@ import shutil
 import pytest
 import torch
 
-from tests.distributed.harness import PARITY, Launches, run_layout, selected
+from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layout, selected
 from tests.parity import REPORT, assert_parity, compare, record
 from trainer.config import load_config
 
-P = "--parallelism."
 TRACER = [P + "pipeline_parallel_frontend", "tracer", "--model.attn_mask_type", "causal"]
 LAYERS4 = ["--model.overrides.n_layers", "4"]
 # PARITY's Llama overrides do not apply to the GPT families: keep only the run settings.
-RUN = [a for i, a in enumerate(PARITY) if not (a.startswith("--model") or (i and PARITY[i - 1].startswith("--model")))]
 CAUSAL = ["--model.attn_mask_type", "causal"]  # traced stages take no documents: causal attention, references too
 FAMILIES = {
     "llama": PARITY + LAYERS4 + CAUSAL,
-    "seq_gpt": RUN + ["--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny",
+    "seq_gpt": PARITY_RUN + ["--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny",
                       *LAYERS4, *CAUSAL],
 }
 

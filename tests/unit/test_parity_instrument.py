@@ -11,18 +11,17 @@ import torch
 import torch.nn.functional as F
 
 import trainer.models.llama.model as llama
-from tests.distributed.harness import PARITY
+from tests.distributed.harness import PARITY, PARITY_RUN
 from tests.parity import RTOL, Recorder, compare, record
 from trainer.config import load_config
 
 GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
        "--model.flavor", "tiny", "--model.overrides.n_layers", "2"]
-RUN = [a for i, a in enumerate(PARITY) if not (a.startswith("--model") or (i and PARITY[i - 1].startswith("--model")))]
 MODELS = {
     # causal: the rotary mutation below rotates by rows of the (positions, ...) table, not a per-token one
     "llama": PARITY + ["--model.attn_mask_type", "causal"],
     "llama-tied": PARITY + ["--model.attn_mask_type", "causal", "--model.tie_embeddings"],
-    "gpt": RUN + GPT,
+    "gpt": PARITY_RUN + GPT,
 }
 
 
