@@ -109,7 +109,7 @@ def describe_plan(plan: JobPlan) -> str:
         + f", {pipeline.num_stages} stages, {pipeline.stages_per_rank} per rank,"
         f" {'V' if pipeline.style == 'v' else 'loop'} placement, {plan.n_microbatches} microbatches of"
         f" {p.pipeline_parallel_microbatch_size} per step",
-        f"Split points: {pipeline.split_points(spec.layers_attr)}",
+        f"Split points: {pipeline.split_points()}",
         ("Front-end: tracer (torch.distributed.pipelining.pipeline traces the whole model on CPU once per rank"
          " and cuts the graph before each split point; stages run torch's traced stages)" if plan.traced else
          "Front-end: manual (each stage builds the model class without the other stages' modules)"),

@@ -166,14 +166,13 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
             materialize_(whole, torch.device("cpu"), plan.seed)
             whole.train()
             mb = plan.microbatch_size
-            traced = trace_pipeline(whole, pipeline, spec.layers_attr,
-                                    torch.zeros(mb, plan.seq_len, dtype=torch.long))
+            traced = trace_pipeline(whole, pipeline, torch.zeros(mb, plan.seq_len, dtype=torch.long))
             del whole
             chunks = [traced.get_stage_module(i) for i in stage_ids]
         else:
             chunks = [build_chunk(plan.build_model, spec, pipeline.stages[i]) for i in stage_ids]
         logger.info("pipeline: %s (%s front-end), stages %s on this rank, split points %s", pipeline.schedule,
-                    "tracer" if plan.traced else "manual", stage_ids, pipeline.split_points(spec.layers_attr))
+                    "tracer" if plan.traced else "manual", stage_ids, pipeline.split_points())
     parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids, after_step_hook=spec.after_step,
                        stage_batch=plan.microbatch_size if plan.traced else None)
     parts.techniques = build_techniques(plan.chunk_setup(meshes, device))

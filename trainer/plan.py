@@ -257,7 +257,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     if pipeline is not None and pipeline.search is not None and pipeline.search.refused_for_memory:
         logger.warning("[parallelism] pipeline split %s chosen without %d splits in which a rank would exceed the"
                        " memory limit of %.1f GiB (pipeline_parallel_memory_limit_gib, 0 = this device's memory)",
-                       pipeline.split_points(spec.layers_attr), pipeline.search.refused_for_memory, limit / 2**30)
+                       pipeline.split_points(), pipeline.search.refused_for_memory, limit / 2**30)
     if pipeline is not None and n_micro < pipeline.num_stages:
         bubble = plan.bubble()
         logger.warning(

@@ -399,7 +399,7 @@ def test_a_model_torch_cannot_trace_stops_with_one_line():
 
     plan = PipelinePlan((Stage(0, ("0",), True, False), Stage(1, ("1",), False, True)), 2, "1F1B", "loop")
     with pytest.raises(ConfigError) as info:
-        trace_pipeline(Branchy(), plan, "layers", torch.ones(1, 4))
+        trace_pipeline(Branchy(), plan, torch.ones(1, 4))
     assert str(info.value).startswith('[parallelism] pipeline_parallel_frontend = "tracer": torch could not trace')
     assert "\n" not in str(info.value)
 
@@ -418,7 +418,7 @@ def test_traced_stages_hold_the_planned_blocks_under_whole_model_names(family, l
     whole = plan.build_model()
     materialize_(whole, torch.device("cpu"), 0)
     ids = torch.randint(0, 100, (1, 16))
-    pipe = trace_pipeline(whole, plan.pipeline, layers_attr, ids)
+    pipe = trace_pipeline(whole, plan.pipeline, ids)
     names = set()
     out = ids
     for stage in plan.pipeline.stages:
@@ -456,7 +456,7 @@ plan = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.
 whole = plan.build_model()
 materialize_(whole, torch.device("cpu"), 0)
 mine, other = weakref.ref(whole.layers["0"].attention.wq.weight), weakref.ref(whole.layers["5"].attention.wq.weight)
-pipe = trace_pipeline(whole, plan.pipeline, "layers", torch.zeros(1, 16, dtype=torch.long))
+pipe = trace_pipeline(whole, plan.pipeline, torch.zeros(1, 16, dtype=torch.long))
 del whole
 stages = traced_stages(pipe, [0], pp_mesh=init_device_mesh("cpu", (1,)), device=torch.device("cpu"))
 del pipe
@@ -493,7 +493,7 @@ def test_modules_that_change_in_evaluation_are_refused_by_the_tracer():
     model.layers = nn.ModuleDict({"0": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), "1": nn.Linear(4, 4)})
     plan = PipelinePlan((Stage(0, ("0",), True, False), Stage(1, ("1",), False, True)), 2, "1F1B", "loop")
     with pytest.raises(ConfigError, match="the model has Dropout, which a traced graph would keep in training mode"):
-        trace_pipeline(model, plan, "layers", torch.ones(1, 4))
+        trace_pipeline(model, plan, torch.ones(1, 4))
 
 
 def test_pipeline_keys_at_pp_1_are_reported_as_unused(caplog):

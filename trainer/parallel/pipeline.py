@@ -50,7 +50,7 @@ def build_chunk(make_model: Callable[[], nn.Module], spec: ModelSpec, stage: Sta
 TRACER_KEY = '[parallelism] pipeline_parallel_frontend = "tracer"'
 
 
-def trace_pipeline(model: nn.Module, plan: PipelinePlan, layers_attr: str, example: torch.Tensor):
+def trace_pipeline(model: nn.Module, plan: PipelinePlan, example: torch.Tensor):
     """torch's ``Pipe`` of ``model`` (whole, initialised) split before each of ``plan``'s split points.
 
     ``example`` is one microbatch of inputs: the traced graph, and the stages' receive buffers, have
@@ -58,7 +58,7 @@ def trace_pipeline(model: nn.Module, plan: PipelinePlan, layers_attr: str, examp
     """
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    points = plan.split_points(layers_attr)
+    points = plan.split_points()
     # The graph is traced in training mode and does not change with eval(): modules that behave
     # differently in evaluation would keep their training behaviour there.
     modal = sorted({type(m).__name__ for m in model.modules()
@@ -77,10 +77,11 @@ def trace_pipeline(model: nn.Module, plan: PipelinePlan, layers_attr: str, examp
         raise ConfigError(f"{TRACER_KEY}: tracing split the model into {pipe.num_stages} stages, not"
                           f" {plan.num_stages} (split points {points} must each start a module the forward calls)")
     for stage in plan.stages:  # the graph was cut where the plan (and the dry run) says
-        got = tuple(model_blocks(pipe.get_stage_module(stage.index), layers_attr))
+        got = tuple(model_blocks(pipe.get_stage_module(stage.index), plan.blocks_attr))
         if got != stage.blocks:
-            raise ConfigError(f"{TRACER_KEY}: tracing put blocks {list(got)} in stage {stage.index}, not the planned"
-                              f" {list(stage.blocks)}; does the forward call the blocks of {layers_attr} in order?")
+            raise ConfigError(f"{TRACER_KEY}: tracing put blocks {list(got)} in stage {stage.index}, not the"
+                              f" planned {list(stage.blocks)}; does the forward call the blocks of {plan.blocks_attr}"
+                              " in order?")
     # Traced modules hold every buffer as persistent: keep the model's non-persistent ones (e.g. the
     # rotary table) out of the stages' state dicts, so checkpoints have the same keys as a manual run's.
     transient = {f"{owner}.{b}".lstrip(".") for owner, m in model.named_modules()

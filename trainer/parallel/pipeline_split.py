@@ -52,6 +52,8 @@ class PipelinePlan:
     style: Literal["loop", "v"]
     search: SplitSearch | None = None
     """The makespan planner's search, when it chose the split."""
+    blocks_attr: str = "layers"
+    """The model's blocks container (``ModelLayout.blocks``): split points are named ``<blocks_attr>.<key>``."""
 
     @property
     def traits(self) -> ScheduleTraits:
@@ -78,8 +80,8 @@ class PipelinePlan:
     def rank_of_stage(self, stage: int) -> int:
         return next(r for r in range(self.pp) if stage in self.stage_ids(r))
 
-    def split_points(self, layers_attr: str = "layers") -> list[str]:
-        return [f"{layers_attr}.{s.blocks[0]}" for s in self.stages[1:]]
+    def split_points(self) -> list[str]:
+        return [f"{self.blocks_attr}.{s.blocks[0]}" for s in self.stages[1:]]
 
 
 def module_costs(model: nn.Module, layout: ModelLayout, *, mode: Literal["flops", "params"],
@@ -236,7 +238,7 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, layout: Mode
     for s, c in enumerate(counts):
         stages.append(Stage(s, tuple(block_keys[start:start + c]), s == 0, s == num_stages - 1))
         start += c
-    return PipelinePlan(tuple(stages), pp, schedule, traits.placement, search)
+    return PipelinePlan(tuple(stages), pp, schedule, traits.placement, search, layers_attr)
 
 
 class PipelineParallel(Technique):
