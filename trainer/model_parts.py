@@ -176,6 +176,7 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
     parts = ModelParts(nn.ModuleList(chunks), pipeline, stage_ids, after_step_hook=spec.after_step,
                        stage_batch=plan.microbatch_size if plan.traced else None)
     parts.techniques = build_techniques(plan.chunk_setup(meshes, device))
+    logger.info("parallel techniques on this rank, in order: %s", ", ".join(t.name for t in parts.techniques) or "none")
     for chunk in chunks:
         if traced is not None:
             chunk.to(device)  # already initialised; FSDP shards what it finds

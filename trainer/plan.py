@@ -127,7 +127,7 @@ class JobPlan:
         ops = schedule_ops(pipeline.schedule, pipeline.pp, self.n_microbatches, pipeline.stages_per_rank)
         return rank_peaks(per_part, [len(s.blocks) for s in pipeline.stages], ops, self.microbatch_size * self.seq_len)
 
-    @property
+    @cached_property
     def layout(self) -> ModelLayout:
         return self.spec.layout(self.model_args)
 
@@ -233,18 +233,19 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
                           ' indices (ModelSpec.documents); set [model] attn_mask_type = "causal"')
     num_params = sum(x.numel() for x in whole.parameters())
     # Unshardable sizes fail here (a derived plan runs one meta forward), not after launch.
-    tp_plan = resolve_tp_plan(spec, spec.layout(args), whole, p, seq_len=t.seq_len)
+    layout = spec.layout(args)
+    tp_plan = resolve_tp_plan(spec, layout, whole, p, seq_len=t.seq_len)
     pipeline, n_micro = None, 1
     if dims.pp > 1:
         n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
         device = device_type() if check_memory else DRY_RUN_DEVICE
         limit = p.pipeline_parallel_memory_limit_gib * 2**30 or (device_memory_bytes() if check_memory else None)
         pipeline = build_pipeline_plan(
-            p, whole, spec.layout(args), seq_len=t.seq_len,
+            p, whole, layout, seq_len=t.seq_len,
             n_microbatches=n_micro, costs=lambda: pipeline_costs(config, spec, args, whole, dims, device),
             fits=None if limit is None else _fits(split_memory(config, spec, args, whole, dims, device, n_micro),
                                                   limit))
-    stage_params, stage_flops = _stage_costs(whole, spec.layout(args), pipeline, t.seq_len)
+    stage_params, stage_flops = _stage_costs(whole, layout, pipeline, t.seq_len)
     plan = JobPlan(
         config=config, dims=dims, spec=spec, model_args=args, num_params=num_params,
         flops_per_token=spec.flops_per_token(args, t.seq_len), tp_plan=tp_plan, pipeline=pipeline,

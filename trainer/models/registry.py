@@ -6,10 +6,10 @@ module in ``[model] modules``; see docs/models.md.
 
 import dataclasses
 import difflib
-from abc import ABC, abstractmethod
 import importlib
 import re
 import typing
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,15 +56,14 @@ class HFAdapter(ABC):
         """Why the HF class cannot hold a model built from ``args`` (refused at plan time), or None."""
         return None
 
-    def from_config(self, config: dict, base: Any) -> dict:
-        """(config.json, the flavor's args) -> our args as ``[model.overrides]`` keys plus ``tie_embeddings``;
-        raises UserError naming the config.json key it cannot compute. Not overridden: an imported
-        config.json is not read (``reads_config``)."""
-        raise NotImplementedError
+    from_config: Callable[[dict, Any], dict] | None = None
+    """(config.json, the flavor's args) -> our args as ``[model.overrides]`` keys plus ``tie_embeddings``; raises
+    UserError naming the config.json key it cannot compute. A subclass sets it to a function (a static method);
+    None: an imported folder's config.json is not read."""
 
     @property
     def reads_config(self) -> bool:
-        return getattr(type(self), "from_config", None) not in (None, HFAdapter.from_config)
+        return self.from_config is not None
 
 
 @dataclass(frozen=True)
@@ -113,8 +112,6 @@ class ModelLayout:
     dim: int | None = None
     """Hidden size: the width of the activations passed between blocks (None: unknown)."""
     vocab_size: int | None = None
-    tied: dict[str, str] = field(default_factory=dict)
-    """{alias: canonical} names of tied weights (empty when untied)."""
 
 
 def _size_rotary_table(args: Any, seq_len: int) -> Any:
@@ -188,9 +185,9 @@ class ModelSpec:
         return self.tied_weights if getattr(args, "tie_embeddings", False) else {}
 
     def layout(self, args: Any) -> ModelLayout:
-        """Where generic code finds the blocks, pre/post modules, sizes and tied weights of a model of ``args``."""
+        """Where generic code finds the blocks, the pre/post modules and the sizes of a model of ``args``."""
         return ModelLayout(self.layers_attr, self.pre_layers, self.post_layers, self.hidden_dim(args),
-                           self.vocab_size(args), self.tied_aliases(args))
+                           self.vocab_size(args))
 
     def meta_model(self, args: Any) -> nn.Module:
         """The whole model on the meta device, without running its modules' default initialisers

@@ -122,7 +122,7 @@ class ContextParallel(Technique):
     name = "cp"
 
     def __init__(self, group: dist.ProcessGroup, cp: int, rank: int, seq_len: int, buffers: tuple[str, ...] = ()):
-        self.group, self.buffers = group, buffers
+        self.buffers = buffers
         self.positions = load_balanced_positions(seq_len, cp, rank)
         self.all_positions = torch.cat([load_balanced_positions(seq_len, cp, r) for r in range(cp)])
         self._attention = ContextParallelAttention(group, self.positions, self.all_positions)
