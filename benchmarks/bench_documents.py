@@ -1,12 +1,14 @@
 """What block-causal attention costs: training step time with attn_mask_type = "causal" and "block_causal".
 
-    python benchmarks/bench_documents.py [--cases debugmodel 270M] [--steps 10] [--repeats 2]
+    python benchmarks/bench_documents.py [--cases debugmodel 270M debugmodel-2k] [--steps 10] [--repeats 2]
 
 For each model case and dataset (the bundled documents, ~2,150 tokens each, where some windows cross a
 boundary; and tests/fixtures/short_documents.txt, ~90 tokens each, where nearly every window does), the
-median step time of each mask type, run alternately (causal, block_causal, causal, ...) ``--repeats``
-times in one sitting, and their ratio (median over the repeats). One process, float32, this machine's
-threads. The share of microbatches that held a boundary (and so ran the masked kernel) is printed too.
+median step time of causal attention and of block-causal attention with each backend (sdpa: one masked
+kernel call; varlen: the causal kernel once per document), run alternately (in reverse order on every
+other repeat) ``--repeats`` times in one sitting, and their ratios to causal (median over the repeats). One
+process, float32, this machine's threads. The share of the measured steps' microbatches that held a boundary
+(the others run the causal kernel under every variant) and the sdpa backend's mask size are printed too.
 """
 
 import argparse
@@ -27,30 +29,45 @@ from trainer.train import main  # noqa: E402
 CASES = {
     "debugmodel": ["--model.flavor", "debugmodel", "--training.local_batch_size", "8", "--training.seq_len", "256"],
     "270M": ["--model.flavor", "270M", "--training.local_batch_size", "2", "--training.seq_len", "512"],
+    "debugmodel-2k": ["--model.flavor", "debugmodel", "--training.local_batch_size", "2", "--training.seq_len", "2048"],
 }
+
+
+def mask_mib(case: str) -> float:
+    """The additive mask of one microbatch in float32 (batch x seq x seq values), in MiB: built once per forward
+    and kept once per pipeline stage for backward (the sdpa backend; varlen builds none)."""
+    args = CASES[case]
+    batch, seq = (int(args[args.index(k) + 1]) for k in ("--training.local_batch_size", "--training.seq_len"))
+    return batch * seq * seq * 4 / 2**20
+
+
 DATA = {"bundled": [], "short documents": ["--training.dataset_path", str(REPO / "tests/fixtures/short_documents.txt")]}
+# (attn_mask_type, attn_backend)
+VARIANTS = {"causal": ("causal", "sdpa"), "sdpa": ("block_causal", "sdpa"), "varlen": ("block_causal", "varlen")}
 
 
-def run(case: str, data: str, mask: str, steps: int, warmup: int, dump: Path) -> tuple[float, float]:
-    """(median step seconds, share of microbatches with a boundary)."""
+def run(case: str, data: str, variant: str, steps: int, warmup: int, dump: Path) -> tuple[float, float]:
+    """(median step seconds, share of the measured steps' microbatches with a boundary)."""
     seen = []
     real = documents.document_ids
 
-    def counting(tokens, eos_id):
-        ids = real(tokens, eos_id)
+    def counting(tokens, eos_id, bos_id=None):
+        ids = real(tokens, eos_id, bos_id)
         seen.append(bool(ids.any()))
         return ids
 
     documents.document_ids = counting
+    mask, backend = VARIANTS[variant]
     try:
         config = load_config(overrides=CASES[case] + DATA[data] + [
-            "--model.attn_mask_type", mask, "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "1",
-            "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000", "--validation.no-enable",
-            "--training.mixed_precision_param", "float32", "--job.dump_folder", str(dump)])
+            "--model.attn_mask_type", mask, "--model.attn_backend", backend, "--training.steps", str(steps),
+            "--lr_scheduler.warmup_steps", "1", "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000",
+            "--validation.no-enable", "--training.mixed_precision_param", "float32", "--job.dump_folder", str(dump)])
         result = main(config)
     finally:
         documents.document_ids = real
-    return statistics.median(result.step_times[warmup:]), (sum(seen) / len(seen) if seen else float("nan"))
+    measured = seen[len(seen) * warmup // steps:]  # the same number of microbatches in every step
+    return statistics.median(result.step_times[warmup:]), (sum(measured) / len(measured) if measured else float("nan"))
 
 
 def main_cli() -> None:
@@ -62,22 +79,24 @@ def main_cli() -> None:
     a = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.steps} steps (median of the last"
           f" {a.steps - a.warmup}), {a.repeats} alternating repeats\n")
-    print("| model | data | microbatches with a boundary | causal step (s) | block_causal step (s) | block / causal |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| model | data | microbatches with a boundary | causal step (s) | block_causal sdpa (s) | block_causal"
+          " varlen (s) | sdpa / causal | varlen / causal | mask (MiB, sdpa) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         for case in a.cases:
             for data in DATA:
-                times = {"causal": [], "block_causal": []}
+                times = {v: [] for v in VARIANTS}
                 share = float("nan")
                 for r in range(a.repeats):
-                    for mask in ("causal", "block_causal") if r % 2 == 0 else ("block_causal", "causal"):
-                        seconds, boundary = run(case, data, mask, a.steps, a.warmup,
-                                                Path(tmp) / f"{case}-{data}-{mask}-{r}")
-                        times[mask].append(seconds)
-                        share = boundary if mask == "block_causal" else share
-                ratio = statistics.median(b / c for b, c in zip(times["block_causal"], times["causal"]))
+                    for variant in list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]:
+                        seconds, boundary = run(case, data, variant, a.steps, a.warmup,
+                                                Path(tmp) / f"{case}-{data}-{variant}-{r}")
+                        times[variant].append(seconds)
+                        share = boundary if variant == "sdpa" else share
+                ratio = {v: statistics.median(b / c for b, c in zip(times[v], times["causal"])) for v in VARIANTS}
                 print(f"| {case} | {data} | {100 * share:.0f}% | {statistics.median(times['causal']):.3f} |"
-                      f" {statistics.median(times['block_causal']):.3f} | {ratio:.2f} |")
+                      f" {statistics.median(times['sdpa']):.3f} | {statistics.median(times['varlen']):.3f} |"
+                      f" {ratio['sdpa']:.2f} | {ratio['varlen']:.2f} | {mask_mib(case):.1f} |")
 
 
 if __name__ == "__main__":

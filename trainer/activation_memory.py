@@ -35,10 +35,10 @@ class PartActivations:
 
 
 def part_activations(spec, args, dims, dtype_bytes: int, *, activation_checkpoint, parallelism, seq_len: int,
-                     attn_mask_type: str) -> PartActivations | str:
+                     attn_mask_type: str, attn_backend: str = "sdpa") -> PartActivations | str:
     """Per-token activation bytes of each part, or why there is no estimate. ``spec``, ``args``, ``dims``: the
     plan's family, its args and the parallel degrees; ``activation_checkpoint`` and ``parallelism`` are those
-    config sections, ``attn_mask_type`` is ``[model] attn_mask_type``."""
+    config sections, ``attn_mask_type`` and ``attn_backend`` those keys of ``[model]``."""
     if spec.activation_bytes is None:
         return f"model family {spec.name} does not declare ModelSpec.activation_bytes"
     if dims.cp > 1:
@@ -58,8 +58,10 @@ def part_activations(spec, args, dims, dtype_bytes: int, *, activation_checkpoin
     kept = [per_token.block_input if c else a for a, c in zip(blocks, checkpointed, strict=True)]
     recompute = [a - per_token.block_input if c else 0.0 for a, c in zip(blocks, checkpointed, strict=True)]
     # Block-causal attention: each stage builds one additive mask (seq_len values per token, in the compute
-    # dtype) and the per-token rotary table, shared by its blocks (kept in full where a window holds a boundary).
-    stage = seq_len * dtype_bytes + per_token.documents if attn_mask_type == "block_causal" else 0.0
+    # dtype; none under the varlen backend) and the per-token rotary table, shared by its blocks (kept in full
+    # where a window holds a boundary).
+    mask = seq_len * dtype_bytes if attn_backend != "varlen" else 0.0
+    stage = mask + per_token.documents if attn_mask_type == "block_causal" else 0.0
     return PartActivations((per_token.pre, *kept, per_token.post), (0.0, *recompute, 0.0), stage)
 
 

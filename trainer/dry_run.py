@@ -54,7 +54,8 @@ def describe_plan(plan: JobPlan) -> str:
         f"Plan: {config.job.description}",
         f"Model: {config.model.name} {config.model.flavor}, {plan.num_params / 1e6:,.2f}M parameters,"
         f" {plan.flops_per_token / 1e9:.2f} GFLOP/token (training), seq_len {t.seq_len}, attention "
-        + ("block_causal (within documents)" if config.model.attn_mask_type == "block_causal" else "causal"),
+        + ("block_causal (within documents)" if config.model.attn_mask_type == "block_causal" else "causal")
+        + (", varlen: each document alone (CPU only)" if config.model.attn_backend == "varlen" else ""),
         f"World: {dims.describe()}",
         "Mesh: (" + ", ".join(f"{n}={getattr(dims, n)}" for n in (EP_DIM_NAMES if dims.ep > 1 else DIM_NAMES))
         + ")"

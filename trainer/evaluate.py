@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.data import WindowLoader
+from trainer.data.documents import on_device
 from trainer.dtensor import full_tensor
 from trainer.log import Progress
 from trainer.loss import count_label_tokens
@@ -49,7 +50,8 @@ class Evaluator:
     def run(self, parts: ModelParts, meshes: Meshes, device: torch.device, *, autocast, step_context,
             progress: Callable[[], None] = lambda: None,
             model_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {}) -> Evaluation:
-        """``model_kwargs(inputs)``: the model's keyword inputs of a microbatch (its documents), as in training."""
+        """``model_kwargs(inputs)``: the model's keyword inputs of a host microbatch (its documents), as in
+        training."""
         start = time.perf_counter()
         self.loader.load_state_dict({"windows": 0})
         total = torch.zeros((), device=device)
@@ -58,10 +60,9 @@ class Evaluator:
         lines = Progress("validation", self.num_batches, unit="global batches")
         try:
             for batch in range(self.num_batches):
-                microbatches = [(x.to(device), y.to(device)) for x, y in self.loader.next_step()]
+                microbatches, kwargs_of = on_device(self.loader.next_step(), device, model_kwargs)
                 microbatches = parts.shard_batch(microbatches)
-                for inputs, labels in microbatches:
-                    kwargs = model_kwargs(inputs)
+                for (inputs, labels), kwargs in zip(microbatches, kwargs_of, strict=True):
                     with step_context():
                         if parts.schedule is None:
                             with autocast():

@@ -200,6 +200,22 @@ def compute_dtype(mixed_precision_param: str, device: str) -> torch.dtype:
     return torch_dtype(mixed_precision_param)
 
 
+def _check_varlen(config: JobConfig, device: str | None) -> None:
+    """The varlen backend attends document by document with lengths read on the host: block-causal attention,
+    eager blocks (a compiled block would recompile for every new set of lengths), and a CPU job (on an
+    accelerator, reading the lengths would wait for the device). ``device``: None in a dry run."""
+    key = '[model] attn_backend = "varlen"'
+    if config.model.attn_mask_type != "block_causal":
+        raise ConfigError(f'{key} attends each document alone: it needs [model] attn_mask_type = "block_causal"'
+                          ' (or attn_backend = "sdpa")')
+    if config.compile.enable:
+        raise ConfigError(f"{key} with [compile] enable: a compiled block would recompile for every new set of"
+                          ' document lengths; use attn_backend = "sdpa"')
+    if device not in (None, "cpu"):
+        raise ConfigError(f"{key} on {device}: it reads each window's document lengths on the host, which would"
+                          ' wait for the device; use attn_backend = "sdpa"')
+
+
 def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = True, world_name: str = "") -> JobPlan:
     """Decide and check everything about the job that needs no process group. Raises ConfigError.
 
@@ -231,6 +247,8 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     if config.model.attn_mask_type == "block_causal" and not spec.documents:
         raise ConfigError(f'[model] attn_mask_type = "block_causal": model family {spec.name} does not take document'
                           ' indices (ModelSpec.documents); set [model] attn_mask_type = "causal"')
+    if config.model.attn_backend == "varlen":
+        _check_varlen(config, device_type() if check_memory else None)
     num_params = sum(x.numel() for x in whole.parameters())
     # Unshardable sizes fail here (a derived plan runs one meta forward), not after launch.
     layout = spec.layout(args)
@@ -367,7 +385,8 @@ def cost_identity(config: JobConfig, n_blocks: int, tp: int, cp: int) -> dict:
             "microbatch_size": config.parallelism.pipeline_parallel_microbatch_size, "tp": tp, "cp": cp,
             "activation_checkpoint": (f"{config.activation_checkpoint.mode}"
                                       f" {config.activation_checkpoint.selective_ac_option}"),
-            "dtype": config.training.mixed_precision_param, "attention": m.attn_mask_type}
+            "dtype": config.training.mixed_precision_param,
+            "attention": m.attn_mask_type + (f" {m.attn_backend}" if m.attn_backend != "sdpa" else "")}
 
 
 def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims,
@@ -403,7 +422,8 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
 def activation_sections(config: JobConfig) -> dict:
     """What the activation estimate (trainer.activation_memory.part_activations) reads of the config."""
     return dict(activation_checkpoint=config.activation_checkpoint, parallelism=config.parallelism,
-                seq_len=config.training.seq_len, attn_mask_type=config.model.attn_mask_type)
+                seq_len=config.training.seq_len, attn_mask_type=config.model.attn_mask_type,
+                attn_backend=config.model.attn_backend)
 
 
 def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims, device: str,

@@ -12,7 +12,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from trainer.checkpoint import Checkpointer, GlobalBatch
 from trainer.config import JobConfig, to_toml
 from trainer.config.validate import output_folders
-from trainer.data.documents import model_inputs
+from trainer.data.documents import model_inputs, on_device
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
 from trainer.dtensor import full_tensor, local_tensor
 from trainer.env import init_determinism, init_device
@@ -93,15 +93,15 @@ class Trainer:
 def train_step(
     parts: ModelParts, optimizers: ChunkOptimizers, microbatches, *, max_norm: float, autocast, step_context,
     meshes: Meshes, on_grads: Callable[[], None] | None = None, progress: Callable[[], None] = lambda: None,
-    model_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {},
+    model_kwargs: Sequence[dict] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over the step's microbatches, clip, update. Returns (global loss, grad norm).
 
     ``progress`` is called after each microbatch (or pipeline schedule step) and each phase (the watchdog);
-    ``model_kwargs(inputs)`` gives the model's keyword inputs of a microbatch (its documents)."""
+    ``model_kwargs[i]``: the model's keyword inputs of microbatch i (its documents; none if empty)."""
     summed: list[torch.Tensor] = []  # per-microbatch summed cross-entropy (last pipeline stage only)
     for i, (inputs, labels) in enumerate(microbatches):
-        kwargs = model_kwargs(inputs)
+        kwargs = model_kwargs[i] if model_kwargs else {}
         with step_context():
             if parts.schedule is None:
                 parts.gradient_sync(i == len(microbatches) - 1)
@@ -324,7 +324,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                 gc.collect(1)
             lr = run.optimizers.lr
             start = time.perf_counter()
-            microbatches = [(x.to(run.device), y.to(run.device)) for x, y in run.loader.next_step()]
+            microbatches, kwargs = on_device(run.loader.next_step(), run.device, run.model_kwargs)
             if run.timeline is not None:
                 run.timeline.begin_step(step)
             microbatches = run.parts.shard_batch(microbatches)  # this rank's part of each sequence (CP)
@@ -334,7 +334,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
                     run.parts, run.optimizers, microbatches, max_norm=config.training.max_norm, autocast=run.autocast,
                     step_context=run.step_context, meshes=run.meshes,
                     on_grads=None if observer is None else (lambda: observer.on_grads(step, run.parts)),  # noqa: B023
-                    progress=watchdog.beat if watchdog is not None else (lambda: None), model_kwargs=run.model_kwargs,
+                    progress=watchdog.beat if watchdog is not None else (lambda: None), model_kwargs=kwargs,
                 )
             if metered:
                 result.activation_peaks[step] = report_activation_peaks(run, step, meter.peak)

@@ -18,6 +18,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB
 
 # Context parallelism and traced stages run causal attention only ([model] attn_mask_type, block_causal by default).
 CAUSAL = ["--model.attn_mask_type", "causal"]
+# Block-causal attention document by document (the CPU backend), against a single process that uses it too.
+VARLEN = ["--model.attn_backend", "varlen"]
 
 # Shared by every parity run: tiny Llama, fp32, deterministic, global batch of 8 sequences.
 # Adam's eps is large (1e-4, above the gradients' float32 noise but below their typical size):

@@ -12,7 +12,7 @@ and ties go to the lower expert index (a stable sort).
 import pytest
 
 from tests.conftest import load_plan
-from tests.distributed.harness import Launches, P, PARITY, run_layout, selected
+from tests.distributed.harness import VARLEN, Launches, P, PARITY, run_layout, selected
 from tests.distributed.test_pp_parity import check_activation_estimate
 from tests.parity import REPORT, assert_parity, compare, record
 from trainer.config import load_config
@@ -49,6 +49,8 @@ CASES = {
     "PP2xEP2-1F1B": (4, LAYERS4, pp("1F1B")),
     "PP2xEP2-ZBV": (4, LAYERS4, pp("ZBVZeroBubble")),
     "PP2xEP2-DualPipeV": (4, LAYERS4, pp("DualPipeV")),
+    "EP2xTP2+varlen": (4, VARLEN, [*VARLEN, *EP2, P + "tensor_parallel_degree", "2",
+                                   "--training.local_batch_size", "4"]),
 }
 
 

@@ -8,7 +8,7 @@ summation order in the reductions. The worst tensor of each case is printed at t
 
 import pytest
 
-from tests.distributed.harness import CAUSAL, Launches, P, PARITY, run_layout, selected
+from tests.distributed.harness import CAUSAL, VARLEN, Launches, P, PARITY, run_layout, selected
 from tests.parity import assert_parity, compare, record
 from trainer.config import load_config
 
@@ -64,6 +64,12 @@ LAYOUTS = {
     "CP2+SAC-op": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8",
                        "--activation_checkpoint.mode", "selective",
                        "--activation_checkpoint.selective_ac_option", "op"]),
+    # The varlen attention backend: sharded data, heads split by TP with SP and loss parallel, recomputation.
+    "FSDP2+accum2+AC+varlen": (2, [*VARLEN, P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "2",
+                                   "--activation_checkpoint.mode", "full"]),
+    "TP2+SP+LP+varlen": (2, [*VARLEN, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "FSDP2xTP2+varlen": (4, [*VARLEN, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
+                             "--training.local_batch_size", "4"]),
 }
 
 
@@ -85,9 +91,9 @@ def references(tmp_path_factory):
 
 def reference_extra(overrides: list[str]) -> tuple[str, ...]:
     """What of a case's overrides the single-process reference must share: tied weights, the clipping norm,
-    causal attention (context parallelism's)."""
+    causal attention (context parallelism's), the attention backend."""
     return (((TIED,) if TIED in overrides else ()) + (tuple(CLIP) if CLIP[0] in overrides else ())
-            + (tuple(CAUSAL) if CAUSAL[0] in overrides else ()))
+            + (tuple(CAUSAL) if CAUSAL[0] in overrides else ()) + (tuple(VARLEN) if VARLEN[0] in overrides else ()))
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,8 @@ MOE = ["--model.name", "moe", "--model.flavor", "debugmodel"]  # 2 blocks: one d
     MOE,  # per-head q/k norms, softmax routing renormalised over the chosen experts
     MOE + ["--model.overrides.score_func", "sigmoid", "--model.overrides.norm_topk", "false",
            "--model.overrides.n_shared_experts", "2", "--model.overrides.qk_norm", "false"],
-], ids=["single", "accumulation", "moe", "moe-sigmoid-shared"])
+    ["--model.attn_backend", "varlen"],  # no mask; each attention output kept per document and concatenated
+], ids=["single", "accumulation", "moe", "moe-sigmoid-shared", "varlen"])
 def test_the_estimate_of_one_process_equals_what_autograd_saves(tmp_path, overrides):
     from trainer.train import main
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import load_plan
-from trainer.data.documents import document_ids
+from trainer.data.documents import document_ids, model_inputs, on_device
 from trainer.models.init import materialize_
 
 EOS = 511
@@ -16,8 +16,8 @@ TINY = ["--model.overrides.dim", "64", "--model.overrides.n_heads", "4", "--mode
         "--model.overrides.vocab_size", "512", "--training.seq_len", "32"]
 
 
-def model_of(family: str):
-    model = load_plan(TINY + FAMILIES[family], 1).build_model()
+def model_of(family: str, backend: str = "sdpa"):
+    model = load_plan(TINY + FAMILIES[family] + ["--model.attn_backend", backend], 1).build_model()
     materialize_(model, torch.device("cpu"), seed=0)
     with torch.no_grad():  # larger weights than the init's, so that attention to another document shows
         for p in model.parameters():
@@ -33,12 +33,36 @@ def test_document_ids_begin_after_each_end_of_text():
             == [[0, 0, 0, 0, 1, 1, 1, 1]])
 
 
+def test_the_host_decides_whether_a_batch_needs_a_mask():
+    """Documents are given for a batch in which a window crosses an end-of-text, and not for one whose windows are
+    each one document (the causal kernel computes the same there); nothing is given under causal attention."""
+    inputs = model_inputs("block_causal", EOS)
+    crossing = torch.tensor([[5, 6, 7, 8], [5, EOS, 7, 8]])
+    assert inputs(crossing)["documents"].tolist() == [[0, 0, 0, 0], [0, 0, 1, 1]]
+    assert inputs(torch.tensor([[5, 6, 7, 8], [9, 9, 9, EOS]])) == {}  # an end-of-text at the end begins nothing
+    assert model_inputs("causal", EOS)(crossing) == {}
+    on, kwargs = on_device([(crossing, crossing), (crossing[:1], crossing[:1])], torch.device("meta"), inputs)
+    assert [x.device.type for x, _ in on] == ["meta", "meta"]
+    assert kwargs[0]["documents"].device.type == "meta" and kwargs[1] == {}
+
+
+def test_the_model_reads_nothing_back_from_the_device():
+    """A forward with documents runs whole on the meta device, where any value read back to the host (as a test
+    of whether the batch crosses a boundary would be) raises: on a GPU it would wait for the queued work. (The
+    MoE family's forward is this one with expert layers, whose routing reads its token counts back by design.)"""
+    model = load_plan(TINY + FAMILIES["llama3"], 1).build_model()
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    documents = torch.zeros(2, 32, dtype=torch.int32, device="meta")
+    assert model(tokens, documents=documents).shape == (2, 32, 512)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_packed_window_computes_each_document_alone(family):
+def test_a_packed_window_computes_each_document_alone(family, backend):
     """Logits of each document in a window of three (the first cut mid-document, as a window starting
     inside one) equal a forward of that document alone; a window without a boundary, in the same batch,
     equals the causal forward."""
-    model = model_of(family)
+    model = model_of(family, backend)
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 500, (n,), generator=g) for n in (9, 13, 10)]
     docs = [torch.cat([d[:-1], torch.tensor([EOS])]) if i < 2 else d for i, d in enumerate(docs)]
@@ -55,6 +79,47 @@ def test_a_packed_window_computes_each_document_alone(family):
         torch.testing.assert_close(out[1], model(plain)[0], rtol=1e-5, atol=1e-5)
         # ... and plain causal attention over the packed window is something else (the test can fail).
         assert not torch.allclose(model(packed)[0, 9:], out[0, 9:], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_varlen_computes_what_the_mask_computes(family):
+    """The varlen backend (each document attended alone) gives the masked kernel's logits and every parameter's
+    gradient, per tensor, up to float32 rounding, for windows of one, two and three documents, a document of one
+    token included."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 500, (3, 32), generator=g)
+    tokens[0, 7], tokens[0, 20], tokens[2, 30] = EOS, EOS, EOS  # window 1: one document; window 2: a 1-token one
+    documents = document_ids(tokens, EOS)
+    results = {}
+    for backend in ("sdpa", "varlen"):
+        model = model_of(family, backend).train()
+        logits = model(tokens, documents=documents)
+        logits.square().mean().backward()
+        results[backend] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    (logits, grads), (varlen_logits, varlen_grads) = results["sdpa"], results["varlen"]
+    torch.testing.assert_close(varlen_logits, logits, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == varlen_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(varlen_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_what_varlen_does_not_compose_with_is_refused_naming_the_key(monkeypatch):
+    from trainer import plan as plan_module
+    from trainer.errors import ConfigError
+
+    varlen = ["--model.attn_backend", "varlen"]
+    with pytest.raises(ConfigError, match=r'attn_backend = "varlen" attends each document alone: it needs \[model\]'
+                                          r' attn_mask_type = "block_causal"'):
+        load_plan(varlen + ["--model.attn_mask_type", "causal"])
+    with pytest.raises(ConfigError, match=r'attn_backend = "varlen" with \[compile\] enable: .*use attn_backend ='):
+        load_plan(varlen + ["--compile.enable"])
+    with pytest.raises(ConfigError, match=r'attn_backend = "varlen": model family tiny_gpt has only the sdpa'):
+        load_plan(varlen + ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"])
+    monkeypatch.setattr(plan_module, "device_type", lambda: "cuda")
+    with pytest.raises(ConfigError, match=r'attn_backend = "varlen" on cuda: it reads each window.s document lengths'
+                                          r' on the host'):
+        load_plan(varlen)
+    load_plan(varlen, check_memory=False)  # a dry run (it plans for no device) accepts it
 
 
 @pytest.mark.parametrize("args, world, words", [
@@ -79,3 +144,5 @@ def test_the_dry_run_says_which_attention_runs():
 
     assert "attention block_causal (within documents)" in describe_plan(load_plan([]))
     assert "attention causal\n" in describe_plan(load_plan(["--model.attn_mask_type", "causal"]))
+    assert ("attention block_causal (within documents), varlen: each document alone (CPU only)\n"
+            in describe_plan(load_plan(["--model.attn_backend", "varlen"])))

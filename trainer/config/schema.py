@@ -95,9 +95,10 @@ class Model:
     attn_mask_type: Literal["causal", "block_causal"] = "block_causal"
     """block_causal: a token attends only to earlier tokens of its own document (documents end at the end-of-text token)
     and rotary positions restart at each document; causal: to every earlier token of the window."""
-    attn_backend: Literal["sdpa"] = "sdpa"
-    """Attention kernel: F.scaled_dot_product_attention (with an additive mask when a window holds several
-    documents)."""
+    attn_backend: Literal["sdpa", "varlen"] = "sdpa"
+    """Attention kernel. sdpa: F.scaled_dot_product_attention, with an additive mask when a window holds several
+    documents (every device). varlen: each document of a window attended alone by the causal kernel, no mask
+    (block_causal on CPU only; faster there, most at long sequences: docs/performance.md)."""
     modules: list[str] = field(default_factory=list)
     """Python modules to import before the model is looked up (to register your own families)."""
     overrides: dict = field(default_factory=dict)

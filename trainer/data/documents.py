@@ -29,7 +29,26 @@ def document_ids(tokens: torch.Tensor, eos_id: int, bos_id: int | None = None) -
 
 
 def model_inputs(attn_mask_type: str, eos_id: int, bos_id: int | None = None) -> Callable[[torch.Tensor], dict]:
-    """A microbatch's tokens -> the model's keyword inputs: its ``documents`` under block-causal attention."""
+    """A batch's tokens, on the host -> the model's keyword inputs: under block-causal attention its
+    ``documents``, unless no window of the batch crosses a document boundary (then nothing: the model runs
+    the plain causal kernel, which computes the same). Deciding on the loader's CPU tensors, before they are
+    copied to the device, means the model never waits for the device to find out (``on_device``)."""
     if attn_mask_type != "block_causal":
         return lambda tokens: {}
-    return lambda tokens: {"documents": document_ids(tokens, eos_id, bos_id)}
+
+    def inputs(tokens: torch.Tensor) -> dict:
+        ids = document_ids(tokens, eos_id, bos_id)
+        return {"documents": ids} if bool(ids.any()) else {}
+
+    return inputs
+
+
+Microbatches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def on_device(microbatches: Microbatches, device: torch.device,
+              model_kwargs: Callable[[torch.Tensor], dict]) -> tuple[Microbatches, list[dict]]:
+    """A step's host microbatches (inputs, labels) moved to ``device``, and each one's model keyword inputs
+    (``model_kwargs`` of its host inputs, moved alike)."""
+    kwargs = [{k: v.to(device) for k, v in model_kwargs(x).items()} for x, _ in microbatches]
+    return [(x.to(device), y.to(device)) for x, y in microbatches], kwargs

@@ -283,6 +283,11 @@ def resolve_model_args(spec: ModelSpec, model_section: Model) -> Any:
                 updates[key] = float(value)  # 3 for a float field: the model computes with a float
             except OverflowError:
                 raise ConfigError(f"[model.overrides] {key}: {value} is beyond the float range") from None
+    if model_section.attn_backend != "sdpa":
+        if "attn_backend" not in fields:
+            raise ConfigError(f'[model] attn_backend = "{model_section.attn_backend}": model family {spec.name} has'
+                              ' only the sdpa backend; set [model] attn_backend = "sdpa"')
+        updates["attn_backend"] = model_section.attn_backend
     if model_section.tie_embeddings:
         if "tie_embeddings" not in fields:
             raise ConfigError(f"[model] tie_embeddings: model family {spec.name} does not support tied embeddings")

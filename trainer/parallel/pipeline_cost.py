@@ -226,7 +226,7 @@ IDENTITY_KEYS = {"model": "[model] name / flavor / overrides",
                  "seq_len": "[training] seq_len", "microbatch_size": "[parallelism] pipeline_parallel_microbatch_size",
                  "tp": "[parallelism] tensor_parallel_degree", "cp": "[parallelism] context_parallel_degree",
                  "activation_checkpoint": "[activation_checkpoint] mode", "dtype": "[training] mixed_precision_param",
-                 "attention": "[model] attn_mask_type"}
+                 "attention": "[model] attn_mask_type / attn_backend"}
 
 
 def read_cost_file(path: str, identity: dict) -> dict:

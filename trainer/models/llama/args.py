@@ -19,6 +19,7 @@ class LlamaArgs:
     rope_theta: float = 500000.0
     max_seq_len: int = 8192  # length of the rotary table; set to [training] seq_len at build
     tie_embeddings: bool = False
+    attn_backend: str = "sdpa"  # [model] attn_backend: "varlen" attends document by document (block-causal, CPU)
 
     @property
     def head_dim(self) -> int:

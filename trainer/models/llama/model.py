@@ -64,8 +64,10 @@ class Attention(nn.Module):
         """Set for generation (trainer/generate.py): keys and values of the earlier positions are kept, and
         ``x`` holds only the positions after them."""
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask``: (batch, 1, seq, seq) additive mask of the keys each query may see (documents); None = causal."""
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: "torch.Tensor | DocumentLengths | None" = None
+                ) -> torch.Tensor:
+        """``mask``: (batch, 1, seq, seq) additive mask of the keys each query may see (documents), or each
+        window's document lengths (attended one by one); None = causal."""
         bs, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
@@ -88,34 +90,70 @@ class Attention(nn.Module):
         # fallback keeps every head's scores: with a mask, the kv heads are repeated instead (the CPU kernel
         # takes both).
         grouped = q.shape[2] != k.shape[2]
-        if grouped and mask is not None and q.is_cuda:
-            k, v = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
-            grouped = False
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             is_causal=mask is None and start == 0, enable_gqa=grouped)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if isinstance(mask, DocumentLengths):
+            out = per_document_attention(q, k, v, mask, enable_gqa=grouped)
+        else:
+            if grouped and mask is not None and q.is_cuda:
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+                grouped = False
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and start == 0,
+                                                 enable_gqa=grouped)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
-def document_attention(documents: torch.Tensor | None, table: torch.Tensor,
-                       hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+@dataclasses.dataclass(frozen=True)
+class DocumentLengths:
+    """The lengths of each window's documents, in order (each window's sum to its length): block-causal
+    attention computed as one causal attention per document, without a mask (``[model] attn_backend =
+    "varlen"``, on CPU: the lengths are read from the documents on the host)."""
+
+    per_window: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, documents: torch.Tensor) -> "DocumentLengths":
+        return cls(tuple(tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist()) for row in documents))
+
+
+def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: DocumentLengths, *,
+                           enable_gqa: bool) -> torch.Tensor:
+    """Attention of (batch, heads, seq, head_dim) ``q``, ``k``, ``v`` within each document alone, causal inside
+    it: the causal kernel once per document, on that document's rows only, so the cost is the sum of the
+    squared document lengths, not the squared window. Splitting (rather than slicing) each window makes
+    backward one concatenation per tensor instead of a zero-filled full-size gradient per document."""
+    windows = []
+    for qw, kw, vw, sizes in zip(q.unbind(0), k.unbind(0), v.unbind(0), lengths.per_window, strict=True):
+        parts = [F.scaled_dot_product_attention(a[None], b[None], c[None], is_causal=True, enable_gqa=enable_gqa)
+                 for a, b, c in zip(qw.split(sizes, dim=1), kw.split(sizes, dim=1), vw.split(sizes, dim=1))]
+        windows.append(torch.cat(parts, dim=2)[0])
+    return torch.stack(windows)
+
+
+def document_attention(documents: torch.Tensor | None, table: torch.Tensor, hidden: torch.Tensor, *,
+                       per_document: bool = False) -> tuple[torch.Tensor, "torch.Tensor | DocumentLengths | None"]:
     """(rotary table, attention mask) for windows of ``documents``, built once per forward and shared by the
     layers: the table gathered at each token's position within its document, (batch, seq, head_dim / 2, 2),
     and an additive mask (0 where a query may see a key: earlier or same position, same document; -inf
     elsewhere), (batch, 1, seq, seq), in the dtype attention computes in: autocast's, else ``hidden``'s. An
     additive mask in the activations' dtype is what the attention kernel keeps for backward; a boolean one
-    would be converted, and kept, anew by every layer. A batch in which every window is one document (the
-    common case with long documents) keeps the causal kernel and the table as they are: no mask, the same
-    positions."""
-    if documents is None or not bool(documents.any()):
+    would be converted, and kept, anew by every layer. No value is read back from the device: whether a batch
+    needs a mask at all is decided on the host, where the tokens are (trainer.data.documents.model_inputs
+    gives no ``documents`` for a batch in which every window is one document, and that batch keeps the causal
+    kernel and the table as they are). With ``per_document`` (the varlen backend, CPU only), instead of the
+    mask: each window's document lengths (``DocumentLengths``), read from ``documents`` on the host."""
+    if documents is None:
         return table, None
     seq = documents.shape[1]
     index = torch.arange(seq, device=documents.device)
     starts = torch.ones_like(documents, dtype=torch.bool)
     starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
     first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # where each token's document begins
+    if per_document:
+        return table[index - first], DocumentLengths.of(documents)
     allowed = (documents[:, :, None] == documents[:, None, :]) & (index[:, None] >= index[None, :])
     device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
     mask = torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed, float("-inf"))
     return table[index - first], mask[:, None]
 
@@ -160,7 +198,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: "torch.Tensor | DocumentLengths | None" = None
+                ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -186,7 +225,7 @@ class Transformer(nn.Module):
         ``documents`` (batch, seq): each token's document in the window (trainer.data.documents); given,
         attention stays within documents and rotary positions restart at each."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        rope, mask = document_attention(documents, self.rope, h)
+        rope, mask = document_attention(documents, self.rope, h, per_document=self.args.attn_backend == "varlen")
         for layer in self.layers.values():
             h = layer(h, rope, mask=mask)
         if self.norm is not None:
@@ -257,13 +296,16 @@ def attention_activation_bytes(args, *, dtype_bytes: int, tp: int, sequence_para
                                qk_norm: bool = False) -> tuple[float, float, ActivationBytes]:
     """Per token: (one block norm, the attention, the parts outside the blocks as ActivationBytes with no
     blocks) of a Llama-style model (``llama_activation_bytes``). ``qk_norm``: each per-head RMSNorm of q
-    and k keeps its input and normalised input plus one float32 scalar per head."""
+    and k keeps its input and normalised input plus one float32 scalar per head. Under the varlen backend the
+    attention output is kept twice (per document, and concatenated as wo's input)."""
     b, d = dtype_bytes, args.dim
     heads, kv = args.n_heads * args.head_dim, args.num_kv_heads * args.head_dim
     norm_share = d / tp if sequence_parallel else d
     # a norm: input and normalised input (sequence-split under SP), output as the matmuls keep it (whole)
     norm = b * (2 * norm_share + d) + 4
     attention = b * (2 * heads + 2 * kv) / tp + 4 * args.n_heads / tp
+    if args.attn_backend == "varlen":  # each document's output is kept, and their concatenation (wo's input) too
+        attention += b * heads / tp
     if qk_norm:
         attention += (b * 2 * (heads + kv) + 4 * (args.n_heads + args.num_kv_heads)) / tp
     final_norm = b * 3 * norm_share + 4

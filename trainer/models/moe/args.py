@@ -20,6 +20,7 @@ class MoEArgs:
     rope_theta: float = 1000000.0
     max_seq_len: int = 8192  # length of the rotary table; set to [training] seq_len at build
     tie_embeddings: bool = False
+    attn_backend: str = "sdpa"  # [model] attn_backend: "varlen" attends document by document (block-causal, CPU)
     qk_norm: bool = True  # RMSNorm over each head of q and k (Qwen 3)
     # Feed-forward: the first n_dense_layers blocks are dense SwiGLU of dense_hidden_dim; the rest are MoE.
     n_dense_layers: int = 0

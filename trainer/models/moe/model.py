@@ -16,6 +16,7 @@ from torch import nn
 from trainer.dtensor import local_tensor
 from trainer.models.llama.model import (
     Attention,
+    DocumentLengths,
     FeedForward,
     Transformer,
     attention_activation_bytes,
@@ -185,7 +186,8 @@ class MoEBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(args.dim, args.dense_hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: "torch.Tensor | DocumentLengths | None" = None
+                ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask=mask)
         ffn = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + ffn(self.ffn_norm(h))
