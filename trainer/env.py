@@ -31,7 +31,7 @@ def reuse_freed_host_memory() -> bool:
     (mallopt: mmap threshold 32 MiB, trim threshold 2 GiB), so that a CPU training step reuses the pages the
     previous step freed instead of mapping new ones, which the kernel zeroes on first touch (a page fault
     each). Measured on the peer benchmark's shape: minor page faults per run 0.6x and steps 2-3% faster on one
-    process, 0.4x and 5-6% faster under FSDP 2 (docs/performance.md); the process keeps its peak resident
+    process, 0.4x and 4-6% faster under FSDP 2 (docs/performance.md); the process keeps its peak resident
     size instead of returning freed heap memory. Left alone, returning False, off Linux/glibc and where the
     user chose: GLIBC_TUNABLES or MALLOC_*_ set, or another allocator preloaded."""
     if (sys.platform != "linux" or any(k in os.environ for k in ALLOCATOR_ENV)

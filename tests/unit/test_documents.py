@@ -113,6 +113,8 @@ def test_what_varlen_does_not_compose_with_is_refused_naming_the_key(monkeypatch
         load_plan(varlen + ["--model.attn_mask_type", "causal"])
     with pytest.raises(ConfigError, match=r'attn_backend = "varlen" with \[compile\] enable: .*use attn_backend ='):
         load_plan(varlen + ["--compile.enable"])
+    with pytest.raises(ConfigError, match=r"\[model.overrides\] attn_backend: set \[model\] attn_backend instead"):
+        load_plan(["--model.overrides.attn_backend", "varlen"])  # the args field, past the plan's checks
     with pytest.raises(ConfigError, match=r'attn_backend = "varlen": model family tiny_gpt has only the sdpa'):
         load_plan(varlen + ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"])
     monkeypatch.setattr(plan_module, "device_type", lambda: "cuda")

@@ -34,7 +34,8 @@ def probe(env: dict) -> tuple[bool, int]:
     return out[0] == "True", int(out[1])
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+@pytest.mark.skipif(sys.platform != "linux", reason="the setting is glibc's (Linux); elsewhere the trainer leaves the"
+                                                    " allocator alone")
 def test_freed_host_memory_is_reused_unless_the_user_set_the_allocator():
     """With the setting, the later passes reuse the first one's pages: fewer faults than one buffer has pages.
     Left alone (the user's GLIBC_TUNABLES set, which the trainer respects), glibc maps the larger buffers anew and

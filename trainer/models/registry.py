@@ -265,6 +265,8 @@ def resolve_model_args(spec: ModelSpec, model_section: Model) -> Any:
     fields = {f.name: f for f in dataclasses.fields(args)}
     hints = typing.get_type_hints(type(args))
     updates = dict(model_section.overrides)
+    if "attn_backend" in updates:  # a field set from [model], where the plan checks it
+        raise ConfigError("[model.overrides] attn_backend: set [model] attn_backend instead (sdpa or varlen)")
     for key, value in updates.items():
         if key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)
