@@ -155,6 +155,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-splits", type=int, default=20)
     parser.add_argument("--json", type=Path, help="also write every row here")
+    parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     args = parser.parse_args()
     results = []
     print("| model | schedule | splits (measured) | planner's split: step | same split, last case"
@@ -162,7 +163,9 @@ def main() -> None:
           " | old flops split: step | old/planner | calibrated pick: step | bubble error before calibration, mean/worst"
           " (points) | after |")
     print("|---|---|---|---|---|---|---:|---|---:|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for model in args.models:
             for schedule in args.schedules:
                 r = run_group(model, schedule, args, Path(tmp))

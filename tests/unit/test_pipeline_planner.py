@@ -10,7 +10,8 @@ import pytest
 from tests.conftest import load_plan
 from trainer.dry_run import describe_plan
 from trainer.errors import ConfigError
-from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, flop_costs
+from trainer.parallel.pipeline_cost import (KINDS, LOSS_FLOPS_PER_LOGIT, PartCosts, calibrated_costs, fit_costs,
+                                           flop_costs)
 from trainer.parallel.pipeline_planner import Simulator, search_splits
 from trainer.parallel.schedule_sim import program_for
 from trainer.plan import split_memory
@@ -144,12 +145,19 @@ def test_flop_model_prices_attention_and_checkpointing():
     # tp 2 halves everything; relative units: the block's forward is 1; no transfers without a throughput
     assert ac.parts["F"] == pytest.approx((0.0, 1.0, 18 / 42)) and ac.parts["I"][1] == pytest.approx((27 + 21) / 21)
     assert ac.send == 0.0 and ac.unit == "units"
+    # the loss over a vocabulary of 5: the last part's forward gains 3 tokens x 5 logits x the price of one,
+    # its input gradient twice that; no weights, no weight gradient
+    loss = flop_costs(flops, tokens=3, tp=1, recompute=[False], flops_per_second=1.0, send_bytes=8,
+                      link_bytes_per_second=2, link_latency=1, vocab_size=5)
+    extra = 3 * 5 * LOSS_FLOPS_PER_LOGIT
+    assert loss.parts["F"] == (0.0, 42.0, 18.0 + extra) and loss.parts["I"] == (0.0, 54.0, 18.0 + 2 * extra)
+    assert loss.parts["W"] == plain.parts["W"]
 
 
 @pytest.mark.parametrize("counts", [(1, 2, 2, 1), (2, 1, 1, 2)])
 def test_calibration_recovers_the_costs_that_made_the_measurements(counts):
     """Durations made from known seconds per kind (overhead + per unit x block units + pre + post; the first
-    stage's whole backward in W, as torch runs it), with noise around the median: the calibrated costs
+    stage's whole backward in W, as torch runs it), with noise around the mean: the calibrated costs
     price this split and every other one as the known seconds do."""
     units = flop_costs([(0.0, 0.0)] + [(3.0, 1.0), (2.0, 1.0), (4.0, 1.0), (3.0, 1.0), (2.0, 1.0), (3.0, 1.0)]
                        + [(5.0, 0.0)], tokens=1, tp=1, recompute=[False] * 6, flops_per_second=None,
@@ -160,12 +168,15 @@ def test_calibration_recovers_the_costs_that_made_the_measurements(counts):
     parts["B"] = tuple(i + w for i, w in zip(parts["I"], parts["W"]))
     known = PartCosts(parts, {k: truth[k][0] for k in "FIW"} | {"B": truth["I"][0] + truth["W"][0]}, 0.0, "s", "known")
     table = known.stage_table(counts)
-    actions = [(k, s, table[KINDS.index(k)][s] * f) for k in "FIW" for s in range(4) for f in (0.97, 1.0, 1.05)]
+    actions = [(k, s, table[KINDS.index(k)][s] * f) for k in "FIW" for s in range(4) for f in (0.97, 0.98, 1.05)]
     fitted = calibrated_costs(units, fit_costs(units, list(counts), actions), send=0.0, source="fit")
     for other in (counts, (3, 1, 1, 1), (1, 1, 1, 3)):
         want, got = known.stage_table(other), fitted.stage_table(other)
         for k in "FIW":
-            assert got[KINDS.index(k)] == pytest.approx(want[KINDS.index(k)], rel=2e-3), (other, k)
+            # the first stage's fused backward (W) comes from the I and W of three stages, four unknowns
+            # each, the weak prior pulling them: within one percent
+            assert got[KINDS.index(k)] == pytest.approx(want[KINDS.index(k)], rel=1e-2 if k == "W" else 2e-3), \
+                (other, k)
     # Two stages (pre + blocks, blocks + post) cannot separate four numbers: the fit still reproduces them.
     two = fit_costs(units, [3, 3], [(k, s, 0.05 + 0.02 * s + 0.01 * KINDS.index(k)) for k in "FB" for s in (0, 1)])
     table = calibrated_costs(units, two, send=0.0, source="fit").stage_table((3, 3))
@@ -203,9 +214,9 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     program = program_for("ZBVZeroBubble", 2, plan.n_microbatches, 2)
     calibration = build_calibration(plan, torch.device("cpu"), tmp_path, program)
     assert plan.pipeline.counts == (2, 1, 2, 1)
-    # ms per action: F 1 + 4 per block (+3 output); I 0.5 + 5 per block (+2 output), none on stage 0;
-    # W 0.5 + 3 per block (+2 output), and stage 0's W holds its blocks' I too (torch's split backward)
-    seconds = {"F": [9e-3, 5e-3, 9e-3, 8e-3], "I": [0.5e-3, 5.5e-3, 10.5e-3, 7.5e-3],
+    # ms per action: F 1 + 4 per block (+3 output); I 0.5 + 5 per block (+2 output), nothing on stage 0;
+    # W 0.5 + 3 per block (+2 output), and stage 0's W is its whole backward (torch's split backward)
+    seconds = {"F": [9e-3, 5e-3, 9e-3, 8e-3], "I": [0.0, 5.5e-3, 10.5e-3, 7.5e-3],
                "W": [16.5e-3, 3.5e-3, 6.5e-3, 5.5e-3]}
     actions = [(k, s, v) for k, row in seconds.items() for s, v in enumerate(row) for _ in range(8)]
     text = calibration.add(5, actions, {0: 0.1, 1: 0.2}, 0.5)

@@ -273,3 +273,28 @@ def test_a_trace_the_replay_cannot_use_is_still_written(tmp_path):
     stage.forward_one_chunk(0, ())
     assert timeline.end_step(1) == {0: 0.0}
     assert "model_span_us" not in json.loads((tmp_path / "pipeline_timeline_step1.json").read_text())["otherData"]
+
+
+def test_the_loss_after_the_last_stages_forward_is_timed_as_part_of_it(tmp_path):
+    """torch computes each microbatch's loss right after the last stage's forward: its time is that
+    forward's, not idle time counted as bubble."""
+    import time
+
+    class Schedule:
+        def _loss_fn(self, output, target):
+            time.sleep(0.02)
+            return 0.0
+
+    stage, schedule = FakeStage(), Schedule()
+    timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True)
+    timeline.attach([stage], schedule)
+    schedule._loss_fn("out", None)  # outside a recorded step: nothing to extend
+    timeline.begin_step(1)
+    stage.forward_one_chunk(0, ())
+    schedule._loss_fn("out", None)
+    stage.backward_one_chunk(0)
+    timeline.end_step(1)
+    trace = json.loads((tmp_path / "pipeline_timeline_step1.json").read_text())
+    f, b = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert f["name"] == "3F0" and f["dur"] >= 20_000  # microseconds: the 20 ms loss is inside the forward
+    assert b["ts"] >= f["ts"] + f["dur"] and b["dur"] < 20_000

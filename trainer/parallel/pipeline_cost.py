@@ -9,7 +9,7 @@ From the model (``flop_costs``), per microbatch:
 - a Linear (and modules reporting ``forward_flops_per_token``, e.g. the k routed experts): forward
   2 FLOPs per weight and token, input gradient as much, weight gradient as much;
 - attention scores (no weights): forward 4 x dim x seq_len per token, input gradient twice that,
-  no weight gradient;
+  no weight gradient; the loss over the vocabulary likewise, priced at LOSS_FLOPS_PER_LOGIT;
 - a block under activation checkpointing runs its forward again in its input-gradient pass;
 - tensor parallelism divides every matmul by tp; context parallelism the tokens of a rank by cp.
 Without a throughput the unit is relative (1 = the mean block's forward of one microbatch) and
@@ -18,7 +18,7 @@ transfer costs latency + bytes / bandwidth (the activation of one microbatch).
 
 From a measured run (``fit_costs``, written by the pipeline timeline to ``pipeline_costs.json``,
 read back with ``pipeline_parallel_cost_file``): seconds per action kind fitted to the measured
-per-stage durations as overhead + seconds per block unit x block units + pre + post.
+per-stage mean durations as overhead + seconds per block unit x block units + pre + post.
 """
 
 import json
@@ -34,6 +34,13 @@ from trainer.errors import ConfigError
 from trainer.models.registry import ModelLayout, model_blocks
 
 KINDS = ("F", "B", "I", "W")
+# The loss (log-softmax over the vocabulary, then its gradient) has no matmul, but it is not free: it
+# is priced as the block FLOPs that take as long. Measured on a CPU (torch 2.13, one thread, 256
+# tokens, dim 256, blocks running at ~57 GFLOP/s): the loss's forward took as long as 120 block FLOPs
+# per logit with a 2k vocabulary and 265 with a 32k one (the logits leave the cache), its gradient two
+# to three times its forward. The figure differs per device; a calibrated run
+# (pipeline_parallel_cost_file) measures the loss with the last stage's forward instead.
+LOSS_FLOPS_PER_LOGIT = 150.0
 COST_FILE_KEY = "[parallelism] pipeline_parallel_cost_file"
 
 
@@ -74,10 +81,11 @@ class PartCosts:
                            + (values[-1] if s == last else 0.0))
             table.append(row)
         # torch's split backward skips the input-gradient pass of the first stage (its inputs are token
-        # ids) and runs that stage's whole backward in the weight-gradient pass.
-        i, w = KINDS.index("I"), KINDS.index("W")
-        table[w][0] += table[i][0] - self.overhead["I"]
-        table[i][0] = self.overhead["I"]
+        # ids: nothing to compute) and runs that stage's whole backward, one fused pass, as its weight
+        # gradient.
+        i, w, b = KINDS.index("I"), KINDS.index("W"), KINDS.index("B")
+        table[w][0] = table[b][0]
+        table[i][0] = 0.0
         return table
 
 
@@ -106,10 +114,12 @@ def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[t
 
 def flop_costs(flops: list[tuple[float, float]], *, tokens: float, tp: int, recompute: list[bool],
                flops_per_second: float | None, send_bytes: float, link_bytes_per_second: float,
-               link_latency: float) -> PartCosts:
+               link_latency: float, vocab_size: int = 0) -> PartCosts:
     """PartCosts of the FLOP model. ``flops``: ``part_flops``; ``tokens``: tokens of one microbatch on one
     rank; ``recompute[i]``: block i is activation-checkpointed; ``flops_per_second``: achieved device
-    throughput (None: relative units, no communication)."""
+    throughput (None: relative units, no communication); ``vocab_size``: logits per token, whose loss the
+    last part also computes (LOSS_FLOPS_PER_LOGIT, its gradient twice that)."""
+    flops = [*flops[:-1], (flops[-1][0], flops[-1][1] + LOSS_FLOPS_PER_LOGIT * vocab_size)]
     fwd, inp, wgt = [], [], []
     for i, (mm, attn) in enumerate(flops):
         block = 0 < i < len(flops) - 1
@@ -136,26 +146,47 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
     """Seconds per action kind fitted to measured actions (kind, stage, seconds) of a run split into
     stages of ``counts`` blocks: each kind's stage duration = overhead + per_unit x (the FLOP model's
     units of its blocks) + pre (first stage) + post (last stage). Least squares on the per-stage
-    medians, pulled weakly towards the FLOP model scaled to the measured total, which decides what
-    the measurements cannot (two stages cannot separate four numbers)."""
+    means (a step lasts the sum of its actions, so the mean, not the median, is what predicts it),
+    pulled weakly towards the FLOP model scaled to the measured total, which decides what the
+    measurements cannot (two stages cannot separate four numbers). The first stage's weight-gradient
+    actions of a split backward are its whole backward (``PartCosts.stage_table``): they count as its
+    B; its input-gradient actions compute nothing."""
     samples: dict[tuple[str, int], list[float]] = {}
     for kind, stage, seconds in actions:
+        if stage == 0 and kind in "IW":
+            if kind == "I":
+                continue
+            kind = "B"
         samples.setdefault((kind, stage), []).append(seconds)
     fit = {}
     last = len(counts) - 1
     starts = [1 + sum(counts[:s]) for s in range(len(counts))]
-    for kind in KINDS:
-        # The first stage's I and W do not follow the others (its whole backward runs in W): fitted below.
-        stages = sorted(s for k, s in samples if k == kind and not (kind in "IW" and s == 0))
+    for kind in ("F", "I", "W", "B"):  # B last: a split backward measures it on the first stage alone
+        stages = sorted(s for k, s in samples if k == kind)
         if not stages:
             continue
         parts = model_costs.parts[kind]
-        y = [statistics.median(samples[(kind, s)]) for s in stages]
+        y = [statistics.fmean(samples[(kind, s)]) for s in stages]
         rows = [[1.0, math.fsum(parts[starts[s]:starts[s] + counts[s]]), float(s == 0), float(s == last)]
                 for s in stages]
         modelled = [r[1] + parts[0] * r[2] + parts[-1] * r[3] for r in rows]
         sigma = sum(y) / sum(modelled)  # seconds per unit, over the whole measured step
         prior = [0.0, sigma, sigma * parts[0], sigma * parts[-1]]
+        if kind == "B" and "I" in fit and "W" in fit:
+            # A fused backward does what the input and weight gradients do, in one pass: their fitted sum
+            # is what the measurements leave open. What the fused ones measured beyond it is the
+            # embedding's gradient (the first stage's part no I or W measured); short of it, the fused
+            # pass saves that share of the work.
+            block_units = {k: math.fsum(model_costs.parts[k][1:-1]) for k in "IWB"}
+            both = [fit["I"]["overhead_s"] + fit["W"]["overhead_s"],
+                    (fit["I"]["per_unit_s"] * block_units["I"] + fit["W"]["per_unit_s"] * block_units["W"])
+                    / block_units["B"],
+                    fit["I"]["pre_s"] + fit["W"]["pre_s"], fit["I"]["post_s"] + fit["W"]["post_s"]]
+            predicted = [both[0] + both[1] * r[1] + both[2] * r[2] + both[3] * r[3] for r in rows]
+            first = stages.index(0)
+            both[2] += max(y[first] - predicted[first], 0.0)
+            predicted[first] = max(y[first], predicted[first])
+            prior = [v * sum(y) / sum(predicted) for v in both]
         # Each prior row weighs like 1/100 of a stage measurement of a block's size: it settles only what
         # the measurements leave open.
         size = [sigma, sigma, sigma * max(parts[0], 1.0), sigma * max(parts[-1], 1.0)]
@@ -164,13 +195,7 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
         b = [v / sigma for v in y] + [0.01 * sigma / size[j] * prior[j] for j in range(4)]
         overhead, per_unit, pre, post = _nonnegative_lstsq(a, b)
         fit[kind] = {"overhead_s": overhead, "per_unit_s": per_unit, "pre_s": pre, "post_s": post,
-                     "stage_median_s": dict(zip(map(str, stages), y, strict=True))}
-    if "I" in fit and "W" in fit and ("W", 0) in samples:
-        # What stage 0's measured W holds beyond its blocks' input and weight gradients is the embedding's.
-        units_i, units_w = (math.fsum(model_costs.parts[k][1:1 + counts[0]]) for k in "IW")
-        blocks = fit["I"]["per_unit_s"] * units_i + fit["W"]["per_unit_s"] * units_w + fit["W"]["overhead_s"]
-        fit["I"]["pre_s"] = 0.0
-        fit["W"]["pre_s"] = max(statistics.median(samples[("W", 0)]) - blocks, 0.0)
+                     "stage_mean_s": dict(zip(map(str, stages), y, strict=True))}
     return fit
 
 

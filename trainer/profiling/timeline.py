@@ -2,7 +2,8 @@
 
 For the steps in ``[profiling] pipeline_timeline_steps``, every rank records the start and end of
 each compute action its PipelineStages run (forward F, full backward B, input gradient I,
-weight gradient W; stage and microbatch) on the wall clock, which the processes of one machine
+weight gradient W; stage and microbatch) on the wall clock (the last stage's forward includes the
+loss the schedule computes right after it: it is that stage's work, not idle time), which the processes of one machine
 share (across nodes it is as good as their clock synchronisation). After the step each rank
 writes its actions; the reporting rank merges them into
 ``<dump>/<save_traces_folder>/pipeline_timeline_step<N>.json`` (open it in https://ui.perfetto.dev
@@ -41,11 +42,27 @@ class PipelineTimeline:
         self.program, self.sync = program, sync
         self.events: list[dict] | None = None  # recording when not None
 
-    def attach(self, stages) -> None:
-        """Wrap each stage's compute methods (on the instances: other stages are untouched)."""
+    def attach(self, stages, schedule=None) -> None:
+        """Wrap each stage's compute methods (on the instances: other stages are untouched) and the
+        ``schedule``'s loss function, whose time joins the forward that precedes it."""
         for stage in stages:
             for name in _METHODS:
                 setattr(stage, name, self._timed(stage, name, getattr(stage, name)))
+        loss_fn = getattr(schedule, "_loss_fn", None)  # torch keeps it privately; absent: loss not timed
+        if loss_fn is not None:
+            schedule._loss_fn = self._timed_loss(loss_fn)
+
+    def _timed_loss(self, loss_fn):
+        def run(*args, **kwargs):
+            try:
+                return loss_fn(*args, **kwargs)
+            finally:
+                # torch computes a microbatch's loss right after the last stage's forward of it
+                if self.events and self.events[-1]["kind"] == "F":
+                    if self.sync:
+                        torch.cuda.synchronize()
+                    self.events[-1]["end_ns"] = time.time_ns()
+        return run
 
     def _timed(self, stage, name, method):
         def run(*args, **kwargs):
