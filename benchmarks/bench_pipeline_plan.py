@@ -8,13 +8,15 @@ projection costs about ten blocks) and schedule (1F1B, Interleaved1F1B, ZBVZeroB
 DualPipeV at pp 2), one torchrun launch trains every contiguous split the schedule allows (where
 there are more than --max-splits, the best 10 by the planner's prediction plus 10 random ones),
 each for --steps steps with the pipeline timeline on the steps after --warmup, after a discarded
-warm-up case. The planner's own split runs first; its timeline's measured costs
+warm-up case, in --repeats passes (the second in reverse order; a split's figures are the medians
+over its passes' timed steps). The planner's own split runs first; its timeline's measured costs
 (pipeline_costs.json) calibrate the predictions of every other split; it runs again as the last
 case, so that the two measurements of one split show this machine's noise over the launch. Reported
 per model and schedule: the best measured split against the planner's (the planner's step / the best
 step), the old stage-balanced split (split_mode flops) against the planner's, and the predicted
 bubble per rank against the measured one before and after calibration (mean and worst absolute
-difference in points over the splits measured).
+difference in points over the splits measured), and how far the planner's split's measured bubble
+moved between its first and last case (this machine's noise, the floor under those errors).
 """
 
 import argparse
@@ -79,9 +81,9 @@ def predicted_bubbles(sim: Simulator, counts: tuple[int, ...]) -> list[float]:
     return [p.bubble(r) for r in range(len(p.busy))]
 
 
-def measured_bubbles(dump: Path, steps: list[int]) -> list[float]:
+def measured_bubbles(dumps: list[Path], steps: list[int]) -> list[float]:
     traces = [json.loads((dump / "profile_traces" / f"pipeline_timeline_step{s}.json").read_text())["otherData"]
-              for s in steps]
+              for dump in dumps for s in steps]
     return [statistics.median(t["bubble"][str(r)] for t in traces) for r in range(2)]
 
 
@@ -102,7 +104,11 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         chosen = every
     # The planner's split runs first and again last: how far apart the two are is the noise of this
     # machine over the launch, the yardstick for every other difference in the group.
-    order = [p.counts] + [c for c in dict.fromkeys([old.pipeline.counts, *chosen]) if c != p.counts] + [p.counts]
+    others = [c for c in dict.fromkeys([old.pipeline.counts, *chosen]) if c != p.counts]
+    order = [p.counts] + others
+    for r in range(1, args.repeats):  # later passes in reverse order, then forward again: drift cancels
+        order += others[::-1] if r % 2 else others
+    order.append(p.counts)
     timed = list(range(args.warmup + 1, args.steps + 1))
     cases = []
     for i, counts in enumerate(order):
@@ -119,32 +125,45 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     worker = tmp / "worker.py"
     worker.write_text(WORKER.format(repo=str(REPO)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(worker), str(spec)], cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-3000:])
+    if not (args.reuse and all(Path(c["out"]).exists() for c in cases)):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(worker), str(spec)], cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-3000:])
     cost_file = Path(cases[0]["dump"]) / "profile_traces" / "pipeline_costs.json"
     calibrated = load(base + ["--parallelism.pipeline_parallel_cost_file", str(cost_file)])
     csim = Simulator(calibrated.pipeline_costs, program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank))
+    # Each split's step and bubbles: the medians over every timed step of its cases (the planner's: its
+    # first case, which the calibration measured, and its last)
+    by_split: dict[tuple[int, ...], list[dict]] = {}
+    for case in cases:
+        by_split.setdefault(tuple(case["counts"]), []).append(case)
     rows = []
-    for case in cases[:-1]:
-        counts = tuple(case["counts"])
-        step = statistics.median(json.loads(Path(case["out"]).read_text())["step_times"][args.warmup:])
-        rows.append({"counts": counts, "step": step, "measured": measured_bubbles(Path(case["dump"]), timed),
+    for counts, runs in by_split.items():
+        steps = [t for c in runs for t in json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:]]
+        rows.append({"counts": counts, "step": statistics.median(steps), "cases": len(runs),
+                     "measured": measured_bubbles([Path(c["dump"]) for c in runs], timed),
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
                      "predicted_s": csim.predict(counts).makespan})
-    again = statistics.median(json.loads(Path(cases[-1]["out"]).read_text())["step_times"][args.warmup:])
+    first, again = (statistics.median(json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:])
+                    for c in (cases[0], cases[-1]))
+    # the same split measured twice: how far its bubbles move is this machine's noise, the floor under
+    # any prediction's error
+    again_bubbles = measured_bubbles([Path(cases[-1]["dump"])], timed)
+    noise = max(abs(a - b) * 100 for a, b in zip(rows[0]["measured"], again_bubbles))
     best = min(rows, key=lambda r: r["step"])
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)] for k in ("before", "after")}
     calibrated_pick = min(rows, key=lambda r: r["predicted_s"])
     return {"model": model, "schedule": schedule, "splits": len(every), "measured": len(rows),
-            "planner": points(planner["counts"]), "planner_step": planner["step"], "planner_again_step": again,
+            "planner": points(planner["counts"]), "planner_step": planner["step"], "planner_first_step": first,
+            "planner_again_step": again,
             "best": points(best["counts"]), "best_step": best["step"],
             "flops": points(flops["counts"]), "flops_step": flops["step"],
             "calibrated_pick": points(calibrated_pick["counts"]), "calibrated_pick_step": calibrated_pick["step"],
             "bubble_err_before": (statistics.mean(err["before"]), max(err["before"])),
-            "bubble_err_after": (statistics.mean(err["after"]), max(err["after"])), "rows": rows}
+            "bubble_err_after": (statistics.mean(err["after"]), max(err["after"])), "bubble_noise": noise,
+            "rows": rows}
 
 
 def main() -> None:
@@ -154,15 +173,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-splits", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="passes over the splits in one launch (the second in reverse order); each split's"
+                             " figures are the medians over its passes")
     parser.add_argument("--json", type=Path, help="also write every row here")
+    parser.add_argument("--reuse", action="store_true",
+                        help="with --keep: report from the cases a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     args = parser.parse_args()
     results = []
-    print("| model | schedule | splits (measured) | planner's split: step | same split, last case"
+    print("| model | schedule | splits (measured) | planner's split: step | same split: first / last case"
           " | best measured split: step | planner/best"
           " | old flops split: step | old/planner | calibrated pick: step | bubble error before calibration, mean/worst"
-          " (points) | after |")
-    print("|---|---|---|---|---|---|---:|---|---:|---|---|---|")
+          " (points) | after | same split twice: bubble moved (points) |")
+    print("|---|---|---|---|---|---|---:|---|---:|---|---|---|---:|")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -172,12 +196,14 @@ def main() -> None:
                 results.append(r)
                 print(f"| {model} | {schedule} | {r['splits']} ({r['measured']})"
                       f" | {r['planner']}: {r['planner_step']:.3f} s"
-                      f" | {r['planner_again_step']:.3f} s | {r['best']}: {r['best_step']:.3f} s"
+                      f" | {r['planner_first_step']:.3f} / {r['planner_again_step']:.3f} s"
+                      f" | {r['best']}: {r['best_step']:.3f} s"
                       f" | {r['planner_step'] / r['best_step']:.3f}"
                       f" | {r['flops']}: {r['flops_step']:.3f} s | {r['flops_step'] / r['planner_step']:.3f}"
                       f" | {r['calibrated_pick']}: {r['calibrated_pick_step']:.3f} s"
                       f" | {r['bubble_err_before'][0]:.1f} / {r['bubble_err_before'][1]:.1f}"
-                      f" | {r['bubble_err_after'][0]:.1f} / {r['bubble_err_after'][1]:.1f} |", flush=True)
+                      f" | {r['bubble_err_after'][0]:.1f} / {r['bubble_err_after'][1]:.1f}"
+                      f" | {r['bubble_noise']:.1f} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=list))
 

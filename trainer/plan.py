@@ -403,7 +403,7 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
                                         and i % int(ac.selective_ac_option) == 0) for i in range(n_blocks)]
     flops = part_flops(whole, layout, seq_len=t.seq_len)
     link = dict(send_bytes=send_bytes, link_bytes_per_second=p.pipeline_parallel_link_gbytes_per_second * 1e9,
-                link_latency=p.pipeline_parallel_link_latency_us * 1e-6, vocab_size=layout.vocab_size or 0)
+                link_latency=p.pipeline_parallel_link_latency_us * 1e-6)
     units = flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute, flops_per_second=None, **link)
     if relative:
         return units

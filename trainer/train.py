@@ -36,7 +36,7 @@ from trainer.model_parts import ModelParts, build_model_parts, summed_loss
 from trainer.optim import ChunkOptimizers
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
-from trainer.parallel.pipeline import run_schedule, schedule_stages
+from trainer.parallel.pipeline import run_schedule, schedule_stages, wrap_schedule_loss
 from trainer.parallel.schedule_sim import Program, program_for
 from trainer.plan import JobPlan, build_job_plan
 from trainer.profiling import PipelineTimeline, SavedActivationMeter, StepProfiler
@@ -230,7 +230,8 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         timeline = PipelineTimeline(config.profiling.pipeline_timeline_steps, folder, rank=rank, pp_rank=pp_rank,
                                     writer=writer, program=program, sync=device.type == "cuda",
                                     calibration=build_calibration(plan, device, folder, program) if writer else None)
-        timeline.attach(schedule_stages(parts.schedule), parts.schedule)
+        timeline.attach(schedule_stages(parts.schedule))
+        wrap_schedule_loss(parts.schedule, timeline.timed_loss)
     profiler = None
     if config.profiling.enable_profiling or config.profiling.enable_memory_snapshot:
         profiler = StepProfiler(config.profiling, config.job.dump_folder,

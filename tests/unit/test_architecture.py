@@ -174,7 +174,8 @@ TORCH_SEAMS = {
     "torch.distributed._composable.replicate": "parallel/ddp.py",
     "torch.distributed.distributed_c10d._set_pg_timeout, _world": "parallel/mesh.py",
     "DeviceMesh._flatten": "parallel/mesh.py",
-    "torch.distributed.pipelining.schedules._PipelineSchedule, _PipelineScheduleRuntime, _load_csv, _stage, _stages":
+    "torch.distributed.pipelining.schedules._PipelineSchedule, _PipelineScheduleRuntime, _load_csv, _stage, _stages,"
+    " _loss_fn":
         "parallel/pipeline.py",
     "torch.distributed.pipelining.stage._PipelineStage, _get_init_p2p_neighbors_ops": "parallel/pipeline.py",
     "nn.Module._non_persistent_buffers_set, nn.modules._BatchNorm, _DropoutNd": "parallel/pipeline.py",

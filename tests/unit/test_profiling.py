@@ -285,9 +285,12 @@ def test_the_loss_after_the_last_stages_forward_is_timed_as_part_of_it(tmp_path)
             time.sleep(0.02)
             return 0.0
 
+    from trainer.parallel.pipeline import wrap_schedule_loss
+
     stage, schedule = FakeStage(), Schedule()
     timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True)
-    timeline.attach([stage], schedule)
+    timeline.attach([stage])
+    wrap_schedule_loss(schedule, timeline.timed_loss)
     schedule._loss_fn("out", None)  # outside a recorded step: nothing to extend
     timeline.begin_step(1)
     stage.forward_one_chunk(0, ())

@@ -169,6 +169,12 @@ def schedule_stages(schedule: "_PipelineSchedule") -> list:
     return list(stages) if stages is not None else [schedule._stage]
 
 
+def wrap_schedule_loss(schedule: "_PipelineSchedule", wrap: Callable[[Callable], Callable]) -> None:
+    """Replace the loss function the schedule calls by ``wrap(loss_fn)`` (torch keeps it privately)."""
+    if getattr(schedule, "_loss_fn", None) is not None:
+        schedule._loss_fn = wrap(schedule._loss_fn)
+
+
 def run_schedule(schedule: "_PipelineSchedule", inputs: torch.Tensor, labels: torch.Tensor, *,
                  has_first: bool, has_last: bool, model_kwargs: dict | None = None) -> list[torch.Tensor]:
     """One forward/backward over a batch; returns the per-microbatch losses (last stage only).

@@ -9,7 +9,7 @@ From the model (``flop_costs``), per microbatch:
 - a Linear (and modules reporting ``forward_flops_per_token``, e.g. the k routed experts): forward
   2 FLOPs per weight and token, input gradient as much, weight gradient as much;
 - attention scores (no weights): forward 4 x dim x seq_len per token, input gradient twice that,
-  no weight gradient; the loss over the vocabulary likewise, priced at LOSS_FLOPS_PER_LOGIT;
+  no weight gradient;
 - a block under activation checkpointing runs its forward again in its input-gradient pass;
 - tensor parallelism divides every matmul by tp; context parallelism the tokens of a rank by cp.
 Without a throughput the unit is relative (1 = the mean block's forward of one microbatch) and
@@ -34,13 +34,6 @@ from trainer.errors import ConfigError
 from trainer.models.registry import ModelLayout, model_blocks
 
 KINDS = ("F", "B", "I", "W")
-# The loss (log-softmax over the vocabulary, then its gradient) has no matmul, but it is not free: it
-# is priced as the block FLOPs that take as long. Measured on a CPU (torch 2.13, one thread, 256
-# tokens, dim 256, blocks running at ~57 GFLOP/s): the loss's forward took as long as 120 block FLOPs
-# per logit with a 2k vocabulary and 265 with a 32k one (the logits leave the cache), its gradient two
-# to three times its forward. The figure differs per device; a calibrated run
-# (pipeline_parallel_cost_file) measures the loss with the last stage's forward instead.
-LOSS_FLOPS_PER_LOGIT = 150.0
 COST_FILE_KEY = "[parallelism] pipeline_parallel_cost_file"
 
 
@@ -114,12 +107,10 @@ def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[t
 
 def flop_costs(flops: list[tuple[float, float]], *, tokens: float, tp: int, recompute: list[bool],
                flops_per_second: float | None, send_bytes: float, link_bytes_per_second: float,
-               link_latency: float, vocab_size: int = 0) -> PartCosts:
+               link_latency: float) -> PartCosts:
     """PartCosts of the FLOP model. ``flops``: ``part_flops``; ``tokens``: tokens of one microbatch on one
     rank; ``recompute[i]``: block i is activation-checkpointed; ``flops_per_second``: achieved device
-    throughput (None: relative units, no communication); ``vocab_size``: logits per token, whose loss the
-    last part also computes (LOSS_FLOPS_PER_LOGIT, its gradient twice that)."""
-    flops = [*flops[:-1], (flops[-1][0], flops[-1][1] + LOSS_FLOPS_PER_LOGIT * vocab_size)]
+    throughput (None: relative units, no communication)."""
     fwd, inp, wgt = [], [], []
     for i, (mm, attn) in enumerate(flops):
         block = 0 < i < len(flops) - 1

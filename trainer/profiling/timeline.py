@@ -42,17 +42,15 @@ class PipelineTimeline:
         self.program, self.sync = program, sync
         self.events: list[dict] | None = None  # recording when not None
 
-    def attach(self, stages, schedule=None) -> None:
-        """Wrap each stage's compute methods (on the instances: other stages are untouched) and the
-        ``schedule``'s loss function, whose time joins the forward that precedes it."""
+    def attach(self, stages) -> None:
+        """Wrap each stage's compute methods (on the instances: other stages are untouched)."""
         for stage in stages:
             for name in _METHODS:
                 setattr(stage, name, self._timed(stage, name, getattr(stage, name)))
-        loss_fn = getattr(schedule, "_loss_fn", None)  # torch keeps it privately; absent: loss not timed
-        if loss_fn is not None:
-            schedule._loss_fn = self._timed_loss(loss_fn)
 
-    def _timed_loss(self, loss_fn):
+    def timed_loss(self, loss_fn):
+        """``loss_fn`` whose time, in recorded steps, joins the forward that precedes it (the schedule
+        computes each microbatch's loss right after the last stage's forward of it)."""
         def run(*args, **kwargs):
             try:
                 return loss_fn(*args, **kwargs)
