@@ -163,7 +163,7 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
         modelled = [r[1] + parts[0] * r[2] + parts[-1] * r[3] for r in rows]
         sigma = sum(y) / sum(modelled)  # seconds per unit, over the whole measured step
         prior = [0.0, sigma, sigma * parts[0], sigma * parts[-1]]
-        if kind == "B" and "I" in fit and "W" in fit:
+        if kind == "B" and "I" in fit and "W" in fit and 0 in stages:
             # A fused backward does what the input and weight gradients do, in one pass: their fitted sum
             # is what the measurements leave open. What the fused ones measured beyond it is the
             # embedding's gradient (the first stage's part no I or W measured); short of it, the fused

@@ -2,10 +2,10 @@
 
 For the steps in ``[profiling] pipeline_timeline_steps``, every rank records the start and end of
 each compute action its PipelineStages run (forward F, full backward B, input gradient I,
-weight gradient W; stage and microbatch) on the wall clock (the last stage's forward includes the
-loss the schedule computes right after it: it is that stage's work, not idle time), which the processes of one machine
-share (across nodes it is as good as their clock synchronisation). After the step each rank
-writes its actions; the reporting rank merges them into
+weight gradient W; stage and microbatch) on the wall clock, which the processes of one machine
+share (across nodes it is as good as their clock synchronisation). The last stage's forward
+includes the loss the schedule computes right after it: that is the stage's work, not idle time.
+After the step each rank writes its actions; the reporting rank merges them into
 ``<dump>/<save_traces_folder>/pipeline_timeline_step<N>.json`` (open it in https://ui.perfetto.dev
 or chrome://tracing: one row per rank) and logs the measured bubble of each pipeline rank: the
 share of the step's pipeline span (first action start to last action end, over all ranks) in
@@ -55,7 +55,6 @@ class PipelineTimeline:
             try:
                 return loss_fn(*args, **kwargs)
             finally:
-                # torch computes a microbatch's loss right after the last stage's forward of it
                 if self.events and self.events[-1]["kind"] == "F":
                     if self.sync:
                         torch.cuda.synchronize()
