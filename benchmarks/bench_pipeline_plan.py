@@ -181,6 +181,8 @@ def main() -> None:
                         help="with --keep: report from the cases a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     args = parser.parse_args()
+    if args.reuse and not args.keep:
+        parser.error("--reuse reports from the cases kept by an earlier --keep run: name that folder with --keep")
     results = []
     print("| model | schedule | splits (measured) | planner's split: step | same split: first / last case"
           " | best measured split: step | planner/best"

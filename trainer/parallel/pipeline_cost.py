@@ -144,11 +144,9 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
     B; its input-gradient actions compute nothing."""
     samples: dict[tuple[str, int], list[float]] = {}
     for kind, stage, seconds in actions:
-        if stage == 0 and kind in "IW":
-            if kind == "I":
-                continue
-            kind = "B"
-        samples.setdefault((kind, stage), []).append(seconds)
+        if (kind, stage) == ("I", 0):
+            continue
+        samples.setdefault(("B" if (kind, stage) == ("W", 0) else kind, stage), []).append(seconds)
     fit = {}
     last = len(counts) - 1
     starts = [1 + sum(counts[:s]) for s in range(len(counts))]
