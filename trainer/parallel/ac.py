@@ -74,12 +74,18 @@ def _contexts(selective_ops: bool):
 
 def _checkpoint_forward(block: nn.Module, *, selective_ops: bool) -> None:
     inner = block.forward
-    context_fn = functools.partial(_contexts, selective_ops)
+    eager_fn = functools.partial(_contexts, selective_ops)
+    # Inside a compiled block torch.compile takes only the selective-checkpoint pair of dispatch modes as a
+    # context_fn, or none (anything else fails its compilation), and needs no re-entered torch-function modes: the
+    # compiled graph already holds what they did at forward, and its backward recomputes from that graph.
+    compiled = {}
+    if selective_ops:
+        compiled["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _op_policy)
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn,
-                          **kwargs)
+        contexts = compiled if torch.compiler.is_compiling() else {"context_fn": eager_fn}
+        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=False, **contexts, **kwargs)
 
     block.forward = forward
 
