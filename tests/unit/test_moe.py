@@ -15,6 +15,7 @@ from trainer.models.moe.args import MoEArgs
 from trainer.models.moe.model import (
     MoE,
     Router,
+    grouped_mm_dtype,
     grouped_swiglu,
     looped_swiglu,
     moe_after_step,
@@ -125,6 +126,19 @@ def test_grouped_gemm_path_equals_the_loop():
     b.backward(grad)
     for p, q in zip(w_loop, w_grp, strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device, dtype, autocast, expected", [
+    ("cuda", torch.bfloat16, None, torch.bfloat16),  # FSDP's mixed precision: bf16 tokens and weights
+    ("cuda", torch.float32, torch.bfloat16, torch.bfloat16),  # one GPU: autocast, float32 tokens from the norm
+    ("cuda", torch.float32, None, None),  # float32 training: the loop
+    ("cuda", torch.float32, torch.float16, None),  # fp16 autocast: the loop (grouped_mm takes bf16)
+    ("cpu", torch.bfloat16, torch.bfloat16, None),  # CPU: the loop
+])
+def test_the_experts_run_grouped_mm_on_cuda_in_bf16_with_or_without_autocast(device, dtype, autocast, expected):
+    """The first GPU run found the grouped kernel skipped on one GPU: autocast leaves the routed tokens in float32,
+    and only bf16 tokens were sent to it (tests/unit/test_cuda.py runs the real path on CUDA)."""
+    assert grouped_mm_dtype(device, dtype, autocast) is expected
 
 
 def test_bias_update_moves_towards_equal_load_and_resets_the_counts():

@@ -37,6 +37,9 @@ class MoEArgs:
     # aux_loss_coef > 0: a sequence-wise balance loss of this weight is added to the training objective.
     bias_update_speed: float = 0.0
     aux_loss_coef: float = 0.0
+    # Expert compute: torch._grouped_mm (all experts in one kernel per projection) where it runs, on CUDA in bf16;
+    # false = one matmul chain per expert everywhere (the path every other device and dtype takes).
+    use_grouped_mm: bool = True
 
     @property
     def head_dim(self) -> int:

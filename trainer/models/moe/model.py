@@ -60,8 +60,9 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU experts as three stacked weights (experts, out, in), like nn.Linear's layout."""
 
-    def __init__(self, dim: int, hidden: int, n_experts: int):
+    def __init__(self, dim: int, hidden: int, n_experts: int, *, use_grouped_mm: bool = True):
         super().__init__()
+        self.use_grouped_mm = use_grouped_mm
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
@@ -69,9 +70,20 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens grouped by expert (this rank's experts, in order); counts: tokens per expert."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
-        if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-            return grouped_swiglu(x, counts, w1, w2, w3)
+        autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+        dtype = grouped_mm_dtype(x.device.type, x.dtype, autocast) if self.use_grouped_mm else None
+        if dtype is not None:  # autocast does not cover torch._grouped_mm: the casts are ours
+            return grouped_swiglu(x.to(dtype), counts, w1.to(dtype), w2.to(dtype), w3.to(dtype))
         return looped_swiglu(x, counts, w1, w2, w3)
+
+
+def grouped_mm_dtype(device_type: str, dtype: torch.dtype, autocast: torch.dtype | None) -> torch.dtype | None:
+    """The dtype the experts run torch._grouped_mm in, or None where they loop: on CUDA in bf16, whether the
+    tokens are bf16 already (FSDP's mixed precision) or autocast computes in bf16 (one device, no FSDP: the tokens
+    arrive in float32 from the router's norm)."""
+    if device_type != "cuda" or not hasattr(torch, "_grouped_mm"):
+        return None
+    return torch.bfloat16 if (autocast or dtype) == torch.bfloat16 else None
 
 
 def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
@@ -132,7 +144,8 @@ class MoE(nn.Module, ExpertLayer):
         super().__init__()
         self.n_experts = args.n_experts
         self.router = Router(args)
-        self.experts = GroupedExperts(args.dim, args.expert_hidden_dim, args.n_experts)
+        self.experts = GroupedExperts(args.dim, args.expert_hidden_dim, args.n_experts,
+                                      use_grouped_mm=args.use_grouped_mm)
         hidden = args.expert_hidden_dim * args.n_shared_experts
         self.shared_experts = FeedForward(args.dim, hidden) if hidden else None
         self.aux_loss_coef, self.bias_update_speed = args.aux_loss_coef, args.bias_update_speed
