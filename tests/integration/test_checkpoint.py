@@ -26,8 +26,10 @@ def train(args, dump):
     return main(load_config(overrides=PARITY + args + ["--job.dump_folder", str(dump)]))
 
 
-@pytest.mark.parametrize("async_mode", ["disabled", "async"])
+@pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
 def test_exact_resume_single_process(tmp_path, async_mode, caplog):
+    """On CUDA (TRAINER_TEST_DEVICE=cuda) async_with_pinned_mem stages through pinned host buffers; on CPU it says
+    that it saves as 'async'."""
     args = ["--training.local_batch_size", "8", "--training.steps", "8", "--checkpoint.async_mode", async_mode,
             "--checkpoint.enable", "--checkpoint.interval", "2"]
     straight = train(args, tmp_path / "straight")
@@ -45,6 +47,10 @@ def test_exact_resume_single_process(tmp_path, async_mode, caplog):
     assert re.search(r"checkpoint saved: .*step-2 \(\d+\.\d s\)", log)
     assert re.search(r"loading checkpoint .*step-4\n", log)
     assert re.search(r"resumed from .*step-4 \(model, .*\) in \d+\.\d s", log)
+    pinned_fallback = "async_with_pinned_mem' needs CUDA; saving in the background from ordinary host memory"
+    assert (pinned_fallback in log) == (async_mode == "async_with_pinned_mem" and not torch.cuda.is_available())
+    pinned = "in the background through pinned host buffers" in log
+    assert pinned == (async_mode == "async_with_pinned_mem" and torch.cuda.is_available())
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from trainer.checkpoint.manifest import barrier, hash_share, merge_shares, rank
 from trainer.checkpoint.resume import (ATTENTION, GlobalBatch, check_attention, check_global_batch, check_intact,
                                        check_model_tensors, check_tokenizer, choose, complete_steps, digest)
-from trainer.checkpoint.torch_dcp import dcp, dcp_errors, first_failure, optim_options
+from trainer.checkpoint.torch_dcp import (dcp, dcp_errors, first_failure, optim_options, pinned_stager,
+                                         stager_keeps_buffers)
 from trainer.config import schema
 from trainer.config.schema import CHECKPOINT_PARTS
 from trainer.dtensor import local_tensor
@@ -62,6 +63,11 @@ class Checkpointer:
         self.pending = None  # (future, name) of an asynchronous save in flight
         self._began: dict[str, float] = {}  # when each save in progress started (for the "saved" line)
         self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
+        self._stager = None  # async_with_pinned_mem: DCP's stager, whose pinned host buffers every save reuses
+        self.pinned = checkpoint.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
+        if checkpoint.async_mode == "async_with_pinned_mem" and not self.pinned and checkpoint.enable:
+            logger.warning("[checkpoint] async_mode = 'async_with_pinned_mem' needs CUDA; saving in the background"
+                           " from ordinary host memory (as 'async')")
 
     # -- state --------------------------------------------------------------------------------
     def _canonical(self, key: str) -> str:
@@ -121,7 +127,7 @@ class Checkpointer:
             return
         self.wait()  # at most one save in flight: the next waits for the previous
         # The full state is saved at the end too, so that raising [training] steps continues the run.
-        self._save(self._state(step), f"step-{step}", background=self.cfg.async_mode == "async" and not last)
+        self._save(self._state(step), f"step-{step}", background=self.cfg.async_mode != "disabled" and not last)
         if final and self.cfg.last_save_model_only:
             dtype = torch_dtype(self.cfg.export_dtype)
             self._save({"model": {k: v.to(dtype) for k, v in self._model_state().items()}}, f"model-step-{step}",
@@ -150,8 +156,8 @@ class Checkpointer:
                 raise UserError(f"[checkpoint] folder: {path} is a file, where checkpoint {name} is to be saved;"
                                 f" move it away and resume (the checkpoints saved so far are kept)")
         self._began[name] = time.monotonic()
-        logger.info("checkpoint %s: saving %.2f GiB (this rank's share)%s", name, _state_bytes(state) / 2**30,
-                    " in the background" if background else "")
+        how = "" if not background else " in the background" + (" through pinned host buffers" if self.pinned else "")
+        logger.info("checkpoint %s: saving %.2f GiB (this rank's share)%s", name, _state_bytes(state) / 2**30, how)
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
@@ -162,7 +168,9 @@ class Checkpointer:
         barrier()
         if background:
             try:
-                saving = dcp().async_save(state, checkpoint_id=str(tmp))
+                if self.pinned and (self._stager is None or not stager_keeps_buffers()):
+                    self._stager = pinned_stager()
+                saving = dcp().async_save(state, checkpoint_id=str(tmp), async_stager=self._stager)
             except dcp_errors() as e:
                 raise self._save_failed(name, e) from None
             if self._background is None:

@@ -16,6 +16,24 @@ def dcp():
     return dcp
 
 
+def pinned_stager():
+    """DCP's stager that copies the state into page-locked (pinned) host buffers, kept and reused by every later
+    save: the device-to-host copy runs at full PCIe speed and no save allocates host memory again. CUDA only."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=False))
+
+
+def stager_keeps_buffers() -> bool:
+    """Whether one DCP stager serves every save: torch 2.13's keeps its pinned buffers for the next save; 2.11's
+    empties its copier at the end of each (a second save through it raises KeyError: <class 'type'>, seen on an
+    H200 with torch 2.11), so there each save gets a stager of its own and allocates its pinned buffers anew."""
+    import torch
+
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+
+
 def optim_options():
     return dcp().state_dict.StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -284,8 +284,10 @@ class Checkpoint:
     """Save every N steps (and at the last step)."""
     keep_latest_k: Annotated[int, Range(ge=0, le=MAX_COUNT)] = 10
     """Keep only the newest K checkpoints; 0 = keep all."""
-    async_mode: Literal["disabled", "async"] = "disabled"
-    """Write checkpoints synchronously or in the background."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """Write checkpoints synchronously or in the background: the step waits only for the copy of the state to host
+    memory. async_with_pinned_mem copies into page-locked host buffers allocated at the first save and reused by the
+    later ones (CUDA; elsewhere it is async, with a warning)."""
     load_step: Annotated[int, Range(ge=0, le=MAX_COUNT, also=(-1,))] = -1
     """Resume from this step; -1 = the latest complete checkpoint."""
     initial_load_path: str = ""
