@@ -98,9 +98,11 @@ def describe_plan(plan: JobPlan) -> str:
             f" Adam state (split {shard} ways by FSDP x CP x TP)"
         )
         if not isinstance(activations, str):
+            loss_grad = plan.loss_gradient_bytes() / 2**30
             lines.append(f"Activations: ~{activations[0] / 2**30:.2f} GiB per device (microbatch of"
-                         f" {config.training.local_batch_size} x {plan.tokens_per_rank} tokens); total"
-                         f" ~{plan.state_gib_per_device(0) + activations[0] / 2**30:.1f} GiB")
+                         f" {config.training.local_batch_size} x {plan.tokens_per_rank} tokens), and ~{loss_grad:.2f}"
+                         f" GiB of the loss's gradient at the start of backward; total"
+                         f" ~{plan.state_gib_per_device(0) + activations[0] / 2**30 + loss_grad:.1f} GiB")
         lines.append(f"({act_note})")
         return "\n".join(lines) + "\n"
 
@@ -124,14 +126,16 @@ def describe_plan(plan: JobPlan) -> str:
     lines += _table(["stage", "pp rank", "modules", "parameters", "fwd GFLOP/token"], rows)
     lines.append("")
     known = not isinstance(activations, str)
+    loss_grad = [plan.loss_gradient_bytes() / 2**30 if r == plan.loss_rank() else 0.0 for r in range(pipeline.pp)]
     mem_rows = [
         [str(r), ", ".join(str(s) for s in pipeline.stage_ids(r)), f"{plan.rank_params(r) / 1e6:,.1f}M",
          f"{plan.state_gib_per_device(r):.2f}",
-         f"{activations[r] / 2**30:.2f}" if known else "-",
-         f"{plan.state_gib_per_device(r) + activations[r] / 2**30:.2f}" if known else "-"]
+         f"{activations[r] / 2**30:.2f}" if known else "-", f"{loss_grad[r]:.2f}",
+         f"{plan.state_gib_per_device(r) + activations[r] / 2**30 + loss_grad[r]:.2f}" if known else "-"]
         for r in range(pipeline.pp)
     ]
-    lines += _table(["pp rank", "stages", "parameters", "state GiB", "activations GiB", "total GiB"], mem_rows)
+    lines += _table(["pp rank", "stages", "parameters", "state GiB", "activations GiB", "loss gradient GiB",
+                     "total GiB"], mem_rows)
     lines.append(
         f"(state: fp32 parameters, gradients and Adam state per device, split {shard} ways by FSDP x CP x TP;"
         f" {act_note})"

@@ -42,6 +42,8 @@ MIN_TIKTOKEN_VOCAB = 256 + 2
 BYTES_PER_PARAM = 16
 # The dry run plans for the job's accelerators: mixed_precision_param "auto" means bf16.
 DRY_RUN_DEVICE = "cuda"
+LOSS_GRADIENT_BYTES = 8
+"""Bytes a logit the loss's backward allocates at once: nll_loss's and log_softmax's float32 gradients."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,21 @@ class JobPlan:
             return "not modelled for CSV schedules"
         ops = schedule_ops(pipeline.schedule, pipeline.pp, self.n_microbatches, pipeline.stages_per_rank)
         return rank_peaks(per_part, [len(s.blocks) for s in pipeline.stages], ops, self.microbatch_size * self.seq_len)
+
+    def loss_gradient_bytes(self) -> float:
+        """What the loss's backward allocates beside the kept activations, on the rank that computes the loss, at
+        the start of each microbatch's backward: the float32 gradients of nll_loss and of log_softmax over every
+        logit of the microbatch, alive together (8 bytes a logit; the vocabulary split under loss parallelism)."""
+        p = self.config.parallelism
+        sequences = self.config.training.local_batch_size if self.pipeline is None else self.microbatch_size
+        vocab = self.spec.vocab_size(self.model_args)
+        if self.dims.tp > 1 and not p.disable_loss_parallel:
+            vocab /= self.dims.tp
+        return LOSS_GRADIENT_BYTES * sequences * self.tokens_per_rank * vocab
+
+    def loss_rank(self) -> int:
+        """The pipeline rank that computes the loss (the last stage's)."""
+        return 0 if self.pipeline is None else self.pipeline.rank_of_stage(self.pipeline.num_stages - 1)
 
     @cached_property
     def layout(self) -> ModelLayout:

@@ -322,11 +322,20 @@ def test_dry_run_shows_state_and_activations_per_rank():
     stage1 = tokens * (sum(per_token.blocks[int(k)] for k in plan.pipeline.stages[1].blocks) + per_token.post
                        + documents)
     assert plan.activation_peaks("cuda") == pytest.approx([2 * stage0, stage1])
-    assert "state GiB  activations GiB  total GiB" in text
+    assert "state GiB  activations GiB  loss gradient GiB  total GiB" in text
     assert f"{2 * stage0 / 2**30:.2f}" in text.split("activations GiB")[1]
+    # the loss's gradient, in the last stage's rank's total: 8 bytes a logit of one microbatch (1 x 256 x 65536)
+    big = load_plan(pp(2, "--model.overrides.vocab_size", "65536"))
+    assert big.loss_gradient_bytes() == 8 * 256 * 65536 and big.loss_rank() == 1
+    peaks = big.activation_peaks("cuda")
+    rows = {line.split()[0]: line.split() for line in describe_plan(big).split("total GiB")[1].splitlines()[2:4]}
+    for rank, loss in (("0", 0), ("1", 8 * 256 * 65536)):
+        assert rows[rank][5] == f"{loss / 2**30:.2f}"
+        assert rows[rank][6] == f"{big.state_gib_per_device(int(rank)) + (peaks[int(rank)] + loss) / 2**30:.2f}"
     assert "bfloat16 compute on accelerators" in text
     no_pp = describe_plan(load_plan([]))
     assert "Activations: ~" in no_pp and "microbatch of 8 x 256 tokens" in no_pp
+    assert "GiB of the loss's gradient at the start of backward; total" in no_pp
     cp = describe_plan(load_plan(["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "2"]))
     assert "activations not estimated: not modelled under context parallelism" in cp
 
