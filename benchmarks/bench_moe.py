@@ -35,23 +35,32 @@ LAYOUTS = {
 }
 
 
-def time_experts(kernel, tokens: int, dim: int, hidden: int, n_experts: int, repeats: int) -> float:
-    """Median seconds of forward + backward for ``tokens`` rows spread unevenly over the experts."""
+def time_experts(kernel, tokens: int, dim: int, hidden: int, n_experts: int, repeats: int,
+                 device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32) -> float:
+    """Median seconds of forward + backward for ``tokens`` rows spread unevenly over the experts (on CUDA the
+    device is synchronised around each repeat)."""
     g = torch.Generator().manual_seed(0)
     # an uneven grouping with one empty expert, like a real router's
     weights = torch.rand(n_experts, generator=g)
     weights[-1] = 0
     counts = torch.floor(weights / weights.sum() * tokens).long()
     counts[0] += tokens - counts.sum()
-    x = torch.randn(tokens, dim, generator=g, requires_grad=True)
-    w1 = (torch.randn(n_experts, hidden, dim, generator=g) * dim**-0.5).requires_grad_()
-    w3 = (torch.randn(n_experts, hidden, dim, generator=g) * dim**-0.5).requires_grad_()
-    w2 = (torch.randn(n_experts, dim, hidden, generator=g) * hidden**-0.5).requires_grad_()
-    grad = torch.randn(tokens, dim, generator=g)  # dense: the CPU grouped kernel refuses an expanded one
+
+    def make(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(device, dtype).requires_grad_()
+
+    x = make(tokens, dim)
+    w1, w3 = make(n_experts, hidden, dim, scale=dim**-0.5), make(n_experts, hidden, dim, scale=dim**-0.5)
+    w2 = make(n_experts, dim, hidden, scale=hidden**-0.5)
+    grad = make(tokens, dim).detach()  # dense: the CPU grouped kernel refuses an expanded one
+    counts = counts.to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(repeats + 2):
+        sync()
         start = time.perf_counter()
         kernel(x, counts, w1, w2, w3).backward(grad)
+        sync()
         if i >= 2:
             times.append(time.perf_counter() - start)
     return statistics.median(times)

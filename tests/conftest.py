@@ -11,6 +11,40 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # tests must never reach the 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(REPO / "tests" / "fixtures"))  # custom model families for registry tests
 
+# The device the tests run on. CI's expectations (golden losses, parity bounds) are float32 on the CPU, so on a
+# machine with a GPU the suite hides it unless asked: TRAINER_TEST_DEVICE=cuda runs it there (single-process tests:
+# `-m "not slow"`; multi-rank tests would need a GPU per rank). Read before anything initialises CUDA.
+TEST_DEVICE = os.environ.get("TRAINER_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_configure(config):
+    if TEST_DEVICE not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"TRAINER_TEST_DEVICE={TEST_DEVICE}: use cpu (the default) or cuda")
+    if TEST_DEVICE == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("TRAINER_TEST_DEVICE=cuda, but torch sees no CUDA device here")
+    config.addinivalue_line("markers", "cpu_only(reason): expects the CPU's float32 numbers; skipped on CUDA")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device; collected only with TRAINER_TEST_DEVICE=cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    """CUDA tests are left out of a CPU run (deselected, not skipped: CI has no GPU to wait for); CPU-only
+    tests are skipped, with their reason, in a CUDA run."""
+    if TEST_DEVICE == "cpu":
+        cuda = [item for item in items if item.get_closest_marker("cuda")]
+        if cuda:
+            config.hook.pytest_deselected(items=cuda)
+            items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+        return
+    for item in items:
+        mark = item.get_closest_marker("cpu_only")
+        if mark is not None:
+            item.add_marker(pytest.mark.skip(reason=f"TRAINER_TEST_DEVICE={TEST_DEVICE}: {mark.args[0]}"))
+
 # A 2-layer, dim-64 Llama with a 512-token vocabulary ...
 TINY_MODEL = [
     "--model.overrides.dim", "64", "--model.overrides.n_layers", "2", "--model.overrides.n_heads", "4",

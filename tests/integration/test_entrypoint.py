@@ -215,6 +215,7 @@ def test_a_lone_node_says_it_is_waiting_for_the_others():
     assert f"rendezvous at 127.0.0.1:{port} (job id lone)" in line and "start the same command on every node" in line
 
 
+@pytest.mark.slow  # two processes
 def test_two_nodes_on_one_machine_reproduce_one_process(tmp_path):
     """Two run_train.sh launches with NNODES=2 (one process each) meet at a localhost c10d
     rendezvous and train FSDP over the two "nodes": the losses are those of one process."""

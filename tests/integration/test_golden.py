@@ -7,7 +7,9 @@ with a reason:
     python -m tests.integration.test_golden --reason "rotary embedding as a complex multiply"
 
 Tolerance: relative 1e-5 per step. The file is recorded on the project's CPU machines (torch
-2.13 CPU, x86-64); another CPU or torch build may round differently and need its own file.
+2.13 CPU, x86-64); another CPU or torch build may round differently and need its own file. Other torch
+versions draw other initial weights from the same seed: torch 2.11's trunc_normal_ samples differently from
+2.13's, and its first loss differs by 0.2% (seen on CPU: 8.0867 against 8.1041).
 """
 
 import argparse
@@ -31,6 +33,7 @@ def run(dump: Path):
     return main(load_config("configs/debug_model.toml", OVERRIDES + ["--job.dump_folder", str(dump)]))
 
 
+@pytest.mark.cpu_only("the golden file holds the CPU's float32 losses")
 def test_debug_model_matches_the_golden_file(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     result = run(tmp_path)

@@ -15,6 +15,8 @@ FAMILIES = {
 TINY = ["--model.overrides.dim", "64", "--model.overrides.n_heads", "4", "--model.overrides.n_kv_heads", "2",
         "--model.overrides.vocab_size", "512", "--training.seq_len", "32"]
 
+CPU_ONLY_VARLEN = pytest.mark.cpu_only("attn_backend varlen is CPU-only: the plan refuses it on CUDA")
+
 
 def model_of(family: str, backend: str = "sdpa"):
     model = load_plan(TINY + FAMILIES[family] + ["--model.attn_backend", backend], 1).build_model()
@@ -56,7 +58,7 @@ def test_the_model_reads_nothing_back_from_the_device():
     assert model(tokens, documents=documents).shape == (2, 32, 512)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("varlen", marks=CPU_ONLY_VARLEN)])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_packed_window_computes_each_document_alone(family, backend):
     """Logits of each document in a window of three (the first cut mid-document, as a window starting
@@ -81,6 +83,7 @@ def test_a_packed_window_computes_each_document_alone(family, backend):
         assert not torch.allclose(model(packed)[0, 9:], out[0, 9:], rtol=1e-3, atol=1e-3)
 
 
+@CPU_ONLY_VARLEN
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_varlen_computes_what_the_mask_computes(family):
     """The varlen backend (each document attended alone) gives the masked kernel's logits and every parameter's
@@ -141,6 +144,7 @@ def test_what_block_causal_does_not_compose_with_is_refused_naming_the_key(args,
     load_plan(args + ["--model.attn_mask_type", "causal"], world)  # ... and causal plans
 
 
+@CPU_ONLY_VARLEN
 def test_the_dry_run_says_which_attention_runs():
     from trainer.dry_run import describe_plan
 

@@ -23,9 +23,13 @@ class KeepModel:
         self.model = parts.chunks[0]
 
 
+# The expected losses are computed in float32 from the kept model: the run too, also on CUDA (where "auto" is bf16).
+FP32 = ["--training.mixed_precision_param", "float32"]
+
+
 def test_validation_loss_is_the_cross_entropy_of_the_held_out_windows(tiny_args, monkeypatch, caplog):
     overrides = [*tiny_args, "--training.steps", "4", "--validation.enable", "--validation.split", "train[80%:]",
-                 "--validation.freq", "2", "--validation.steps", "2"]
+                 "--validation.freq", "2", "--validation.steps", "2", *FP32]
     config = load_config(overrides=overrides)
     keep = KeepModel()
     import functools
@@ -47,7 +51,7 @@ def test_validation_loss_is_the_cross_entropy_of_the_held_out_windows(tiny_args,
     window, batch = config.training.seq_len + 1, config.training.local_batch_size
     windows = torch.tensor(stream[: 2 * batch * window]).view(2 * batch, window)
     with torch.no_grad():
-        logits = keep.model(windows[:, :-1])
+        logits = keep.model(windows[:, :-1].to(next(keep.model.parameters()).device)).cpu()
     expected = F.cross_entropy(logits.flatten(0, 1).double(), windows[:, 1:].flatten()).item()
     assert result.eval_losses[4] == pytest.approx(expected, rel=1e-5)
     assert result.eval_losses[2] != result.eval_losses[4]  # the weights changed in between
@@ -68,7 +72,7 @@ def test_a_small_validation_set_and_oversized_steps(tiny_args, caplog):
     """More steps asked than the held-out slice has batches: every whole batch it has is evaluated (not
     none, which would be NaN), with a warning; the loss is their cross-entropy."""
     config = load_config(overrides=[*tiny_args, "--training.steps", "1", "--validation.enable",
-                                    "--validation.split", "train[99%:]", "--validation.steps", "1000"])
+                                    "--validation.split", "train[99%:]", "--validation.steps", "1000", *FP32])
     keep = KeepModel()
     with caplog.at_level("WARNING"):
         result = train_mod.main(config, observer=keep)
@@ -76,7 +80,7 @@ def test_a_small_validation_set_and_oversized_steps(tiny_args, caplog):
     windows = held_out_windows(config, "train[99%:]")
     assert len(windows) > 0
     with torch.no_grad():
-        logits = keep.model(windows[:, :-1])
+        logits = keep.model(windows[:, :-1].to(next(keep.model.parameters()).device)).cpu()
     expected = F.cross_entropy(logits.flatten(0, 1).double(), windows[:, 1:].flatten()).item()
     assert result.eval_losses[1] == pytest.approx(expected, rel=1e-5)
 

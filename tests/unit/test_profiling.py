@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 
@@ -79,8 +80,12 @@ def test_torch_profiler_traces_the_chosen_steps_of_a_run(tmp_path):
     # timing: on this tiny model aten::to, aten::mm and attention trade places from run to run)
     ops = (traces / "iteration_4" / "rank0_ops.txt").read_text().splitlines()
     assert "aten::mm" in {line.split()[0] for line in ops if line.strip().startswith("aten::")}
-    # rows in order of self time (the first percentage column)
-    self_pct = [float(next(w for w in line.split() if w.endswith("%"))[:-1]) for line in ops if "%" in line
+    # rows in order of self time: the device's (Self CUDA %) where there is one, else the CPU's (Self CPU %)
+    header = next(line for line in ops if line.lstrip().startswith("Name"))
+    pct_columns = [c for c in re.split(r"\s{2,}", header.strip()) if c.endswith("%")]
+    key = next((c for c in pct_columns if c.startswith("Self") and "CPU" not in c), "Self CPU %")
+    column = pct_columns.index(key)
+    self_pct = [float([w for w in line.split() if w.endswith("%")][column][:-1]) for line in ops if "%" in line
                 and not line.lstrip().startswith("Name")]
     assert len(self_pct) >= 10 and self_pct == sorted(self_pct, reverse=True)
 

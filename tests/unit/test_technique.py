@@ -38,7 +38,7 @@ class HalfSequences(Technique):
 
         def seen(module, args):
             self.calls["lengths"].add(args[0].shape[1])
-            self.calls["autocast"].add(torch.is_autocast_enabled("cpu"))
+            self.calls["autocast"].add(torch.is_autocast_enabled(args[0].device.type))
 
         chunk.register_forward_pre_hook(seen)
 
@@ -80,7 +80,8 @@ def test_a_technique_registered_in_the_list_runs_everywhere(toy, tiny_args):
     seq_len = 32
     config = load_config(overrides=[*tiny_args, "--training.seq_len", str(seq_len), "--training.steps", "2",
                                     "--training.local_batch_size", "4", "--training.global_batch_size", "8",
-                                    "--validation.enable", "--validation.freq", "2", "--validation.steps", "1"])
+                                    "--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
+                                    "--training.mixed_precision_param", "float32"])  # also on CUDA ("auto": bf16)
     result = train_mod.main(config)
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
     calls = toy.calls

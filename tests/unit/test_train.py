@@ -14,8 +14,9 @@ def run(args, extra=()):
 
 
 def test_gradient_accumulation_equals_one_big_batch(tiny_args):
-    big = run(tiny_args, ["--training.local_batch_size", "4"])
-    accum = run(tiny_args, ["--training.local_batch_size", "1", "--training.global_batch_size", "4"])
+    fp32 = tiny_args + ["--training.mixed_precision_param", "float32"]  # also on CUDA, where "auto" is bf16
+    big = run(fp32, ["--training.local_batch_size", "4"])
+    accum = run(fp32, ["--training.local_batch_size", "1", "--training.global_batch_size", "4"])
     # Same global batch, same samples: losses and grad norms agree to float32 summation noise.
     assert accum.losses == pytest.approx(big.losses, rel=1e-5)
     assert accum.grad_norms == pytest.approx(big.grad_norms, rel=1e-5)
