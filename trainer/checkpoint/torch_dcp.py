@@ -17,8 +17,8 @@ def dcp():
 
 
 def pinned_stager():
-    """DCP's stager that copies the state into page-locked (pinned) host buffers, kept and reused by every later
-    save: the device-to-host copy runs at full PCIe speed and no save allocates host memory again. CUDA only."""
+    """DCP's stager that copies the state into page-locked (pinned) host buffers, which the device copies into at
+    full speed; it keeps them for the next save where torch allows (``stager_keeps_buffers``). CUDA only."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
