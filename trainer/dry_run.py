@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config.validate import mix_entries
+from trainer.config.validate import is_prepared_path, mix_entries
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
 from trainer.parallel.pipeline_planner import Simulator, search_splits
 from trainer.parallel.schedule_sim import program_for, timeline
@@ -31,13 +31,17 @@ def _stage_modules(plan: JobPlan, stage) -> str:
     return ", ".join(names)
 
 
+def _split(dataset_path: str, split: str) -> str:
+    return "prepared token shards, read whole" if is_prepared_path(dataset_path) else f"split {split!r}"
+
+
 def _data_line(config) -> str:
     t = config.training
     opts = t.dataloader
     if t.dataset_mix:
         source = "mix " + ", ".join(f"{e.name} x{e.weight:g} split {e.split!r}" for e in mix_entries(t))
     else:
-        source = f"{t.dataset_path or t.dataset} (split {opts.split!r})"
+        source = f"{t.dataset_path or t.dataset} ({_split(t.dataset_path, opts.split)})"
     streamed = not t.dataset_mix and not t.dataset_path and t.dataset != "python_docs" and opts.streaming
     how = ("streamed: every rank tokenizes the global batch" if streamed else
            f"token shards, each rank reads its windows of {t.seq_len + 1} tokens"
@@ -67,8 +71,8 @@ def describe_plan(plan: JobPlan) -> str:
     if config.validation.enable:
         v = config.validation
         what = "the whole set" if v.steps == -1 else f"{v.steps} global batches"
-        lines.append(f"Validation: {v.dataset_path or v.dataset} split {v.split!r}, {what} every {v.freq} steps"
-                     " and after the last, forward only")
+        lines.append(f"Validation: {v.dataset_path or v.dataset} ({_split(v.dataset_path, v.split)}), {what} every"
+                     f" {v.freq} steps and after the last, forward only")
     if data_parallel := dims.data_parallel():
         lines.append(f"Data parallel: {data_parallel}")
     if dims.cp > 1:

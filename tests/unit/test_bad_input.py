@@ -339,3 +339,23 @@ def test_launcher_checks_the_config_for_its_own_world_size(capsys, launcher_args
         assert code == 0, err
     else:
         assert code == 2 and "does not divide NGPU 3" in err and err.count("\n") == 1, err  # the launch variable
+
+
+def test_a_split_set_beside_prepared_shards_is_said_to_be_ignored(tmp_path, caplog):
+    """Prepared token shards are read whole: a split configured for them does nothing, which the config check
+    says in one warning per key and the dry run's data lines show (they named the split as if it applied)."""
+    from trainer.data import Tokenizer, prepare_shards
+    from trainer.dry_run import describe_plan
+
+    prepare_shards(["one document", "another document"], Tokenizer(max_ranks=510), tmp_path / "shards", source="t")
+    shards = str(tmp_path / "shards")
+    plan = load_plan(["--training.dataset_path", shards, "--training.dataloader.split", "train[:90%]",
+                      "--validation.enable", "--validation.dataset_path", shards, "--validation.split", "train[90%:]"])
+    for key, split in (("[training.dataloader] split", "train[:90%]"), ("[validation] split", "train[90%:]")):
+        assert f"{key} = {split!r} does not apply to {shards}: prepared token shards are read whole" in caplog.text
+    text = describe_plan(plan)
+    assert f"Data: {shards} (prepared token shards, read whole)" in text
+    assert f"Validation: {shards} (prepared token shards, read whole)" in text
+    caplog.clear()
+    load_plan(["--training.dataset_path", shards])  # the default split: nothing to say
+    assert "does not apply" not in caplog.text

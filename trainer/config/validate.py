@@ -229,8 +229,7 @@ def output_folders(config: JobConfig) -> list[tuple[str, str, Path]]:
         out.append(("[profiling] save_memory_snapshot_folder", prof.save_memory_snapshot_folder,
                     dump / prof.save_memory_snapshot_folder))
     t = config.training
-    prepared = not t.dataset_mix and t.dataset_path and (Path(t.dataset_path) / "index.json").is_file()
-    if not prepared:  # raw text is tokenized into the cache before the first step
+    if t.dataset_mix or not is_prepared_path(t.dataset_path):  # raw text is tokenized into the cache first
         cache = t.dataloader.cache_folder
         out.append(("[training.dataloader] cache_folder", cache, dump / cache))
     return out
@@ -313,6 +312,12 @@ def mix_entries(training: Training) -> list[MixEntry]:
     return out
 
 
+def is_prepared_path(path: str) -> bool:
+    """Whether ``path`` holds prepared token shards (its index.json), read whole whatever split is configured;
+    here rather than in trainer.data so that checking a config does not import the data package."""
+    return bool(path) and (Path(path) / "index.json").is_file()
+
+
 def _check_data(config: JobConfig) -> None:
     """Dataset mixture entries; what validation needs of the training shape."""
     t = config.training
@@ -322,6 +327,11 @@ def _check_data(config: JobConfig) -> None:
     v = config.validation
     if not v.enable and v.dataset_path:
         logger.warning("[validation] dataset_path is ignored: [validation] enable = false")
+    for key, path, split, used in (("[training.dataloader] split", t.dataset_path, t.dataloader.split,
+                                    not t.dataset_mix), ("[validation] split", v.dataset_path, v.split, v.enable)):
+        if used and split != "train" and is_prepared_path(path):
+            logger.warning("%s = %r does not apply to %s: prepared token shards are read whole (prepare the split"
+                           " you want with python -m trainer.prepare)", key, split, path)
     if v.enable and not t.dataset_mix and (v.dataset_path or v.dataset) == (t.dataset_path or t.dataset) and (
             v.split == t.dataloader.split):
         logger.warning("[validation] reads the training data itself (%s, split %r): the validation loss measures"

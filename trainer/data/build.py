@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from trainer.config.schema import DataLoader, Training, Validation
-from trainer.config.validate import mix_entries
+from trainer.config.validate import is_prepared_path, mix_entries
 from trainer.data.loader import WindowLoader, WindowOrder
 from trainer.data.shards import INDEX, TokenShards, iter_texts, prepare_shards
 from trainer.data.sources import BUNDLED, Source, load_documents, local_files, training_source
@@ -24,10 +24,6 @@ from trainer.data.stream import PackedBatchLoader
 from trainer.errors import UserError
 
 logger = logging.getLogger(__name__)
-
-
-def is_prepared(path: str) -> bool:
-    return bool(path) and (Path(path) / INDEX).is_file()
 
 
 def _cache_name(source: Source, opts: DataLoader, tokenizer) -> str:
@@ -47,7 +43,7 @@ def _cache_name(source: Source, opts: DataLoader, tokenizer) -> str:
 
 def open_source(source: Source, opts: DataLoader, tokenizer, *, cache: Path, wait_seconds: float) -> TokenShards:
     """The shards of ``source``: prepared ones as they are, raw text prepared into ``cache`` first."""
-    if is_prepared(source.dataset_path):
+    if is_prepared_path(source.dataset_path):
         shards = TokenShards(source.dataset_path, key=source.path_key)
     else:
         folder = cache / _cache_name(source, opts, tokenizer)
@@ -92,7 +88,7 @@ def _mix_sources(training: Training) -> list[tuple[Source, float]]:
     out = []
     for entry in mix_entries(training):
         local = entry.name != BUNDLED and Path(entry.name).exists()
-        if entry.own_split and is_prepared(entry.name):
+        if entry.own_split and is_prepared_path(entry.name):
             raise UserError(f"[training.dataset_mix] {entry.name!r}: split {entry.split!r} cannot apply to prepared"
                             f" token shards (they are read whole); prepare the split you want with"
                             f" python -m trainer.prepare")
@@ -108,7 +104,7 @@ def _log_mix(training: Training, shards: list[TokenShards]) -> None:
     logger.info("data mix of %d datasets (a split set by [training.dataloader] split applies to every dataset"
                 " without its own):", len(entries))
     for e, s in zip(entries, shards):
-        split = ("prepared shards, read whole" if is_prepared(e.name)
+        split = ("prepared shards, read whole" if is_prepared_path(e.name)
                  else f"split {e.split!r} ({'its own' if e.own_split else e.split_key})")
         logger.info("  %s: weight %g (%.1f%% of windows), %s, %s documents, %s tokens", e.name, e.weight,
                     100 * e.weight / total, split, f"{s.num_documents:,}", f"{s.num_tokens:,}")
