@@ -1,6 +1,6 @@
-"""What only a CUDA device can show: the grouped-GEMM expert kernel in bf16, the expert path switch, pinned
-checkpoint staging, and a bf16 training step's memory and numbers. Collected only with TRAINER_TEST_DEVICE=cuda
-(conftest); the same logic's CPU halves are tested elsewhere (test_moe, test_checkpoint)."""
+"""What only a CUDA device can show: the grouped-GEMM expert kernel in bf16, the expert path under autocast, and
+pinned checkpoint staging. Collected only with TRAINER_TEST_DEVICE=cuda (conftest); the CPU halves of the same
+logic are tested elsewhere (test_moe, test_checkpoint)."""
 
 import dataclasses
 
