@@ -18,8 +18,13 @@ left is too small (said so in the summary):
   compile-*  the 1B flavor with [compile] on, activation checkpointing none / full / selective
   causal-none  eager, no recomputation, plain causal attention (no document mask: the flash kernel)
 Results: DIR/summary.json after every step, DIR/logs.tar.gz (every step's log, the trace and the snapshot), and a
-table on stdout at the end. Prepared token shards (python -m trainer.prepare) and a tokenizer file are read from
---data and --tokenizer: the GPU machine has no network and no datasets package.
+table on stdout at the end. Prepared token shards and a tokenizer file are read from --data and --tokenizer, for a
+GPU machine without network or the datasets package; made beforehand on any machine with:
+
+  mkdir -p gpu && python -c "import shutil, trainer.data.tokenizer as t; shutil.copy(t.default_tokenizer_path(), 'gpu')"
+  T="--model.tokenizer_path gpu/cl100k_base.tiktoken"
+  python -m trainer.prepare gpu/data/debug --job.config_file configs/debug_model.toml $T
+  python -m trainer.prepare gpu/data/full --job.config_file configs/debug_model.toml --model.flavor 1B $T
 """
 
 import argparse
