@@ -101,12 +101,12 @@ def estimate(overrides: list[str]) -> dict:
 
 def step_train(args, name: str, work: Path) -> dict:
     """One run of the big model through run_train.sh; step figures from its log."""
-    compile_on, ac = name.split("-")
+    kind, ac = name.split("-")  # eager, compile or causal; the activation checkpointing mode
     overrides = common(args) + big_model(args) + ["--activation_checkpoint.mode", ac,
                                                   "--job.dump_folder", str(work / name)]
-    if compile_on == "compile":
+    if kind == "compile":
         overrides.append("--compile.enable")
-    if compile_on == "causal":
+    if kind == "causal":
         overrides += ["--model.attn_mask_type", "causal"]
     if name == "eager-none":  # what autograd keeps, measured at one step, beside the estimate (in the log)
         overrides += ["--profiling.activation_memory_steps", "3"]

@@ -64,8 +64,9 @@ class Checkpointer:
         self._began: dict[str, float] = {}  # when each save in progress started (for the "saved" line)
         self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
         self._stager = None  # async_with_pinned_mem: DCP's stager, whose pinned host buffers later saves reuse
-        self.pinned = checkpoint.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
-        if checkpoint.async_mode == "async_with_pinned_mem" and not self.pinned and checkpoint.enable:
+        pinned_asked = checkpoint.async_mode == "async_with_pinned_mem"
+        self.pinned = pinned_asked and torch.cuda.is_available()
+        if pinned_asked and not self.pinned and checkpoint.enable:
             logger.warning("[checkpoint] async_mode = 'async_with_pinned_mem' needs CUDA; saving in the background"
                            " from ordinary host memory (as 'async')")
 

@@ -70,8 +70,11 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens grouped by expert (this rank's experts, in order); counts: tokens per expert."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
-        autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
-        dtype = grouped_mm_dtype(x.device.type, x.dtype, autocast) if self.use_grouped_mm else None
+        dtype = None
+        if self.use_grouped_mm:
+            device = x.device.type
+            autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            dtype = grouped_mm_dtype(device, x.dtype, autocast)
         if dtype is not None:  # autocast does not cover torch._grouped_mm: the casts are ours
             return grouped_swiglu(x.to(dtype), counts, w1.to(dtype), w2.to(dtype), w3.to(dtype))
         return looped_swiglu(x, counts, w1, w2, w3)
