@@ -177,6 +177,34 @@ def test_calibration_recovers_the_costs_that_made_the_measurements(counts):
                                                       rel=1e-3)
 
 
+def test_timed_parts_let_one_two_stage_run_price_every_split():
+    """Two stages measure four numbers per kind as two; with the first and last stages' own parts timed at
+    their block boundaries the fit recovers all four, so splits far from the measured one are priced as
+    the known seconds price them (without the part times it must guess from the FLOP model, and misses)."""
+    units = flop_costs([(0.0, 0.0)] + [(3.0, 1.0), (2.0, 1.0), (4.0, 1.0), (3.0, 1.0), (2.0, 1.0), (3.0, 1.0)]
+                       + [(5.0, 0.0)], tokens=1, tp=1, recompute=[False] * 6, flops_per_second=None,
+                       send_bytes=0, link_bytes_per_second=1, link_latency=0)
+    # the embedding's gradient and the loss cost what the FLOP model says they do not (pre 0, post 5 units)
+    truth = {"F": (0.001, 0.010, 0.004, 0.030), "B": (0.002, 0.020, 0.009, 0.070)}
+    parts = {k: (pre, *(per_unit * u for u in units.parts[k][1:-1]), post)
+             for k, (_, per_unit, pre, post) in truth.items()}
+    parts["I"], parts["W"] = parts["B"], parts["B"]  # not measured by this schedule, not compared
+    known = PartCosts(parts, {k: truth[k][0] for k in "FB"} | {"I": 0.0, "W": 0.0}, 0.0, "s", "known")
+    counts = [3, 3]
+    table = known.stage_table(counts)
+    actions = [(k, s, table[KINDS.index(k)][s]) for k in "FB" for s in (0, 1) for _ in range(4)]
+    timed = [(k, 0, "pre", truth[k][2]) for k in "FB"] + [(k, 1, "post", truth[k][3]) for k in "FB"]
+    with_parts = calibrated_costs(units, fit_costs(units, counts, actions, timed), send=0.0, source="fit")
+    without = calibrated_costs(units, fit_costs(units, counts, actions), send=0.0, source="fit")
+    for other in ((1, 5), (5, 1), (2, 4)):
+        want = known.stage_table(other)
+        got = with_parts.stage_table(other)
+        for k in "FB":
+            assert got[KINDS.index(k)] == pytest.approx(want[KINDS.index(k)], rel=5e-3), (other, k)
+    far = without.stage_table((5, 1))[KINDS.index("B")]
+    assert far != pytest.approx(known.stage_table((5, 1))[KINDS.index("B")], rel=0.05)
+
+
 def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
     bad = tmp_path / "costs.json"
     bad.write_text("{not json")

@@ -306,3 +306,77 @@ def test_the_loss_after_the_last_stages_forward_is_timed_as_part_of_it(tmp_path)
     f, b = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert f["name"] == "3F0" and f["dur"] >= 20_000  # microseconds: the 20 ms loss is inside the forward
     assert b["ts"] >= f["ts"] + f["dur"] and b["dur"] < 20_000
+
+
+def test_first_and_last_stages_time_their_own_parts_at_the_block_boundaries(tmp_path):
+    """A stage holding the embedding, two blocks and the output, each part sleeping a known time in its
+    forward and its backward: the calibration receives the pre part's and the post part's own times,
+    each at least its sleep and less than its sleep plus one block's."""
+    import time
+
+    import torch
+    from torch import nn
+
+    class Sleep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fwd, bwd):
+            ctx.bwd = bwd
+            time.sleep(fwd)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(ctx.bwd)
+            return grad, None, None
+
+    class Part(nn.Module):
+        def __init__(self, fwd, bwd):
+            super().__init__()
+            self.fwd, self.bwd, self.w = fwd, bwd, nn.Parameter(torch.ones(2))
+
+        def forward(self, x):
+            return Sleep.apply(x * self.w, self.fwd, self.bwd)
+
+    class Chunk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.out = Part(0.03, 0.04), Part(0.02, 0.05)
+            self.layers = nn.ModuleDict({"0": Part(0.06, 0.06), "1": Part(0.06, 0.06)})
+
+        def forward(self, x):
+            h = self.tok(x)
+            for block in self.layers.values():
+                h = block(h)
+            return self.out(h)
+
+    class Stage(FakeStage):
+        stage_index, is_first, is_last = 0, True, True
+
+        def __init__(self):
+            self.submod = Chunk()
+
+        def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+            self.output = self.submod(torch.ones(2))
+            return self.output
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            self.output.sum().backward()
+
+    class Calibration:
+        def add(self, step, actions, bubbles, span, parts=()):
+            self.parts = {(kind, part): seconds for kind, _, part, seconds in parts}
+            return "calibrated"
+
+    stage, calibration = Stage(), Calibration()
+    timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True, calibration=calibration)
+    timeline.attach([stage], "layers")
+    stage.forward_one_chunk(0, ())  # outside a recorded step: no marks
+    stage.backward_one_chunk(0)
+    timeline.begin_step(1)
+    stage.forward_one_chunk(0, ())
+    stage.backward_one_chunk(0)
+    timeline.end_step(1)
+    sleeps = {("F", "pre"): 0.03, ("F", "post"): 0.02, ("B", "pre"): 0.04, ("B", "post"): 0.05}
+    assert set(calibration.parts) == set(sleeps)
+    for key, sleep in sleeps.items():
+        assert sleep <= calibration.parts[key] < sleep + 0.06, key

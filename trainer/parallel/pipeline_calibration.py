@@ -28,14 +28,17 @@ class Calibration:
         self.path, self.identity, self.meta = Path(path), identity, measured
         self.layers_attr = layers_attr
         self.actions: list[tuple[str, int, float]] = []
+        self.parts: list[tuple[str, int, str, float]] = []
         self.steps: list[int] = []
         self.spans: list[float] = []
         self.owner = {s: r for r, ids in enumerate(Simulator(units, program).stage_ids) for s in ids}
 
     def add(self, step: int, actions: list[tuple[str, int, float]], measured_bubble: dict[int, float],
-            span: float) -> str:
-        """Record one step's (kind, stage, seconds) actions and its pipeline span (seconds); returns the log text."""
+            span: float, parts: list[tuple[str, int, str, float]] = ()) -> str:
+        """Record one step's (kind, stage, seconds) actions, its pipeline span (seconds) and the (kind, stage,
+        part, seconds) times of the first and last stages' own parts; returns the log text."""
         self.actions += actions
+        self.parts += parts
         self.steps.append(step)
         self.spans.append(span)
         ranks = range(self.program.num_ranks)
@@ -55,7 +58,7 @@ class Calibration:
                                         f" (predicted {1e3 * scale * predicted[(r, k)]:.1f})"
                                         for k in KINDS if measured[(r, k)] or predicted[(r, k)])
             for r in ranks)
-        fit = fit_costs(self.units, list(self.counts), self.actions)
+        fit = fit_costs(self.units, list(self.counts), self.actions, self.parts)
         costs = calibrated_costs(self.units, fit, send=0.0, source=f"measured steps {self.steps}")
         send = fit_transfer(costs, self.program, self.counts, statistics.median(self.spans))
         sim = Simulator(replace(costs, send=send), self.program)

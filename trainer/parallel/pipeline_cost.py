@@ -18,7 +18,8 @@ transfer costs latency + bytes / bandwidth (the activation of one microbatch).
 
 From a measured run (``fit_costs``, written by the pipeline timeline to ``pipeline_costs.json``,
 read back with ``pipeline_parallel_cost_file``): seconds per action kind fitted to the measured
-per-stage mean durations as overhead + seconds per block unit x block units + pre + post.
+per-stage mean durations as overhead + seconds per block unit x block units + pre + post, with pre
+and post pinned by their own times where the timeline measured them at the block boundaries.
 """
 
 import json
@@ -133,7 +134,8 @@ def flop_costs(flops: list[tuple[float, float]], *, tokens: float, tp: int, reco
 
 # -- calibration from a measured timeline --------------------------------------------------------
 
-def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str, int, float]]) -> dict:
+def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str, int, float]],
+              parts: list[tuple[str, int, str, float]] = ()) -> dict:
     """Seconds per action kind fitted to measured actions (kind, stage, seconds) of a run split into
     stages of ``counts`` blocks: each kind's stage duration = overhead + per_unit x (the FLOP model's
     units of its blocks) + pre (first stage) + post (last stage). Least squares on the per-stage
@@ -141,12 +143,21 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
     pulled weakly towards the FLOP model scaled to the measured total, which decides what the
     measurements cannot (two stages cannot separate four numbers). The first stage's weight-gradient
     actions of a split backward are its whole backward (``PartCosts.stage_table``): they count as its
-    B; its input-gradient actions compute nothing."""
+    B; its input-gradient actions compute nothing.
+
+    ``parts`` (kind, stage, "pre" or "post", seconds): what the first and last stages' actions spent in
+    their own parts, timed at the block boundaries (``profiling.timeline.part_seconds``). Each kind's
+    measured mean pins its pre or post like a stage's measurement, so the blocks are priced from what
+    is left: one run then separates a block from the embedding's gradient and the loss."""
     samples: dict[tuple[str, int], list[float]] = {}
     for kind, stage, seconds in actions:
         if (kind, stage) == ("I", 0):
             continue
         samples.setdefault(("B" if (kind, stage) == ("W", 0) else kind, stage), []).append(seconds)
+    own: dict[tuple[str, str], list[float]] = {}
+    for kind, stage, part, seconds in parts:
+        if (kind, stage) != ("I", 0):
+            own.setdefault(("B" if (kind, stage) == ("W", 0) else kind, part), []).append(seconds)
     fit = {}
     last = len(counts) - 1
     starts = [1 + sum(counts[:s]) for s in range(len(counts))]
@@ -182,9 +193,17 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
         a = [[v / sigma for v in r] for r in rows] + [[0.01 * sigma / size[j] * (i == j) for i in range(4)]
                                                        for j in range(4)]
         b = [v / sigma for v in y] + [0.01 * sigma / size[j] * prior[j] for j in range(4)]
+        timed = {}
+        for j, part in ((2, "pre"), (3, "post")):
+            if own.get((kind, part)):
+                timed[part] = statistics.fmean(own[(kind, part)])
+                a.append([float(i == j) / sigma for i in range(4)])
+                b.append(timed[part] / sigma)
         overhead, per_unit, pre, post = _nonnegative_lstsq(a, b)
         fit[kind] = {"overhead_s": overhead, "per_unit_s": per_unit, "pre_s": pre, "post_s": post,
                      "stage_mean_s": dict(zip(map(str, stages), y, strict=True))}
+        if timed:
+            fit[kind]["part_mean_s"] = timed
     return fit
 
 

@@ -10,6 +10,14 @@ After the step each rank writes its actions; the reporting rank merges them into
 or chrome://tracing: one row per rank) and logs the measured bubble of each pipeline rank: the
 share of the step's pipeline span (first action start to last action end, over all ranks) in
 which that rank ran no action. Waiting for point-to-point transfers shows as gaps.
+
+Given the chunks' block container (``attach(..., layers_attr=...)``), the first and last stages' actions
+also record how long their own part outside the blocks took: the first stage's forward until its first
+block starts and its backward after the gradient reaches that block's input (the embedding), the last
+stage's forward after its last block ends (output projection and loss) and its backward until the
+gradient reaches that block's output. The calibration prices those parts from these times instead of
+dividing the stage's time by the FLOP model (which prices the embedding's gradient and the loss at
+nothing).
 """
 
 import json
@@ -41,12 +49,49 @@ class PipelineTimeline:
         self.rank, self.pp_rank, self.writer = rank, pp_rank, writer
         self.program, self.sync = program, sync
         self.events: list[dict] | None = None  # recording when not None
+        self.current: dict | None = None  # the action running now, in recorded steps
 
-    def attach(self, stages) -> None:
-        """Wrap each stage's compute methods (on the instances: other stages are untouched)."""
+    def attach(self, stages, layers_attr: str | None = None) -> None:
+        """Wrap each stage's compute methods (on the instances: other stages are untouched). With
+        ``layers_attr``, the first and last stages' blocks also mark where their own parts end."""
         for stage in stages:
             for name in _METHODS:
                 setattr(stage, name, self._timed(stage, name, getattr(stage, name)))
+            if layers_attr is not None and hasattr(stage, "submod"):
+                from trainer.models.registry import model_blocks
+
+                blocks = list(model_blocks(stage.submod, layers_attr).values())
+                if blocks and stage.is_first:
+                    blocks[0].register_forward_pre_hook(self._first_block_starts)
+                if blocks and stage.is_last:
+                    blocks[-1].register_forward_hook(self._last_block_ends)
+
+    def _mark(self, part: str) -> None:
+        """The running action's first crossing of ``part``'s boundary (later ones: a recomputation, or the
+        weight-gradient pass walking the graph again)."""
+        if self.current is not None and part not in self.current:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.current[part] = time.time_ns()
+
+    def _first_block_starts(self, module, args) -> None:
+        if self.current is None or self.current["kind"] != "F":
+            return
+        self._mark("pre")
+        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+            args[0].register_hook(self._gradient_reaches("pre"))
+
+    def _last_block_ends(self, module, args, output) -> None:
+        if self.current is None or self.current["kind"] != "F":
+            return
+        self._mark("post")
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._gradient_reaches("post"))
+
+    def _gradient_reaches(self, part: str):
+        def hook(grad):
+            self._mark(part)
+        return hook
 
     def timed_loss(self, loss_fn):
         """``loss_fn`` whose time, in recorded steps, joins the forward that precedes it (the schedule
@@ -65,23 +110,24 @@ class PipelineTimeline:
         def run(*args, **kwargs):
             if self.events is None:
                 return method(*args, **kwargs)
+            if name == "forward_one_chunk":
+                kind = "F"
+            elif name == "backward_weight_one_chunk":
+                kind = "W"
+            else:
+                kind = "B" if kwargs.get("full_backward", args[2] if len(args) > 2 else True) else "I"
+            mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
             if self.sync:
                 torch.cuda.synchronize()
-            start = time.time_ns()
+            self.current = event = {"kind": kind, "stage": stage.stage_index, "mb": int(mb), "start_ns": time.time_ns()}
             try:
                 return method(*args, **kwargs)
             finally:
+                self.current = None
                 if self.sync:
                     torch.cuda.synchronize()
-                mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
-                if name == "forward_one_chunk":
-                    kind = "F"
-                elif name == "backward_weight_one_chunk":
-                    kind = "W"
-                else:
-                    kind = "B" if kwargs.get("full_backward", args[2] if len(args) > 2 else True) else "I"
-                self.events.append({"kind": kind, "stage": stage.stage_index, "mb": int(mb),
-                                    "start_ns": start, "end_ns": time.time_ns()})
+                event["end_ns"] = time.time_ns()
+                self.events.append(event)
         return run
 
     def begin_step(self, step: int) -> None:
@@ -136,11 +182,28 @@ class PipelineTimeline:
                 first.setdefault(r["pp_rank"], r)
             own = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9)
                    for r in first.values() for e in r["events"]]
+            parts = [(e["kind"], e["stage"], part, seconds)
+                     for r in first.values() for e in r["events"] for part, seconds in part_seconds(e).items()]
             try:
-                logger.info("%s", self.calibration.add(step, own, bubbles, trace["otherData"]["span_us"] / 1e6))
+                logger.info("%s", self.calibration.add(step, own, bubbles, trace["otherData"]["span_us"] / 1e6,
+                                                       parts))
             except Exception as e:  # noqa: BLE001 (a diagnostic must not end the run)
                 logger.warning("pipeline costs of step %d not calibrated: %s", step, e)
         return bubbles
+
+
+def part_seconds(event: dict) -> dict[str, float]:
+    """Seconds of an action spent in the first stage's own part ("pre") and the last stage's ("post"),
+    from the marks its blocks left (``PipelineTimeline.attach``): a forward's pre runs before the first
+    block and its post after the last; a backward runs the post first and the pre last. The last
+    stage's weight gradient is not divided (its output projection and blocks run in one pass)."""
+    out, start, end = {}, event["start_ns"], event["end_ns"]
+    forward = event["kind"] == "F"
+    if "pre" in event:
+        out["pre"] = ((event["pre"] - start) if forward else (end - event["pre"])) / 1e9
+    if "post" in event and event["kind"] != "W":
+        out["post"] = ((end - event["post"]) if forward else (event["post"] - start)) / 1e9
+    return out
 
 
 def merge_timeline(ranks: list[dict], step: int) -> tuple[dict, dict[int, float]]:
