@@ -8,8 +8,9 @@ projection costs about ten blocks) and schedule (1F1B, Interleaved1F1B, ZBVZeroB
 DualPipeV at pp 2), one torchrun launch trains every contiguous split the schedule allows (where
 there are more than --max-splits, the best 10 by the planner's prediction plus 10 random ones),
 each for --steps steps with the pipeline timeline on the steps after --warmup, after a discarded
-warm-up case, in --repeats passes (the second in reverse order; a split's figures are the medians
-over its passes' timed steps). The planner's own split runs first; its timeline's measured costs
+warm-up case, in --repeats passes (the later ones in seeded shuffled orders; a split's figures are
+the medians over its cases of each case's median over its timed steps). The planner's own split
+runs first; its timeline's measured costs
 (pipeline_costs.json) calibrate the predictions of every other split; it runs again as the last
 case, so that the two measurements of one split show this machine's noise over the launch. Reported
 per model and schedule: the best measured split against the planner's (the planner's step / the best
@@ -106,8 +107,15 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     # machine over the launch, the yardstick for every other difference in the group.
     others = [c for c in dict.fromkeys([old.pipeline.counts, *chosen]) if c != p.counts]
     order = [p.counts] + others
-    for r in range(1, args.repeats):  # later passes in reverse order, then forward again: drift cancels
-        order += others[::-1] if r % 2 else others
+    # Later passes in a fresh seeded order each: this machine's speed drifts over a launch (the same
+    # split's identical work took 25% less time in one stretch of minutes than in another), and a
+    # reversed pass would run the split at its turn twice in a row, in one stretch.
+    rng = random.Random(1)
+    for _ in range(1, args.repeats):
+        shuffled = rng.sample(others, len(others))
+        while len(others) > 1 and shuffled[0] == order[-1]:
+            shuffled = rng.sample(others, len(others))
+        order += shuffled
     order.append(p.counts)
     timed = list(range(args.warmup + 1, args.steps + 1))
     cases = []
@@ -140,17 +148,22 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         by_split.setdefault(tuple(case["counts"]), []).append(case)
     rows = []
     for counts, runs in by_split.items():
-        steps = [t for c in runs for t in json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:]]
-        rows.append({"counts": counts, "step": statistics.median(steps), "cases": len(runs),
-                     "measured": measured_bubbles([Path(c["dump"]) for c in runs], timed),
+        steps = [json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:] for c in runs]
+        # each case's median, then the median over the cases: one case in a fast or slow stretch of the
+        # machine does not decide the split's figure (pooling the steps let two adjacent cases do so)
+        case_bubbles = [measured_bubbles([Path(c["dump"])], timed) for c in runs]
+        rows.append({"counts": counts, "step": statistics.median(statistics.median(s) for s in steps),
+                     "pooled_step": statistics.median(t for s in steps for t in s), "cases": len(runs),
+                     "case_steps": [statistics.median(s) for s in steps],
+                     "measured": [statistics.median(b[r] for b in case_bubbles) for r in range(2)],
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
                      "predicted_s": csim.predict(counts).makespan})
     first, again = (statistics.median(json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:])
                     for c in (cases[0], cases[-1]))
     # the same split measured twice: how far its bubbles move is this machine's noise, the floor under
     # any prediction's error
-    again_bubbles = measured_bubbles([Path(cases[-1]["dump"])], timed)
-    noise = max(abs(a - b) * 100 for a, b in zip(rows[0]["measured"], again_bubbles))
+    first_bubbles, again_bubbles = (measured_bubbles([Path(c["dump"])], timed) for c in (cases[0], cases[-1]))
+    noise = max(abs(a - b) * 100 for a, b in zip(first_bubbles, again_bubbles))
     best = min(rows, key=lambda r: r["step"])
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)] for k in ("before", "after")}
@@ -174,7 +187,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-splits", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=2,
-                        help="passes over the splits in one launch (the second in reverse order); each split's"
+                        help="passes over the splits in one launch (later ones shuffled); each split's"
                              " figures are the medians over its passes")
     parser.add_argument("--json", type=Path, help="also write every row here")
     parser.add_argument("--reuse", action="store_true",

@@ -239,8 +239,14 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     seconds = {"F": [9e-3, 5e-3, 9e-3, 8e-3], "I": [0.0, 5.5e-3, 10.5e-3, 7.5e-3],
                "W": [16.5e-3, 3.5e-3, 6.5e-3, 5.5e-3]}
     actions = [(k, s, v) for k, row in seconds.items() for s, v in enumerate(row) for _ in range(8)]
-    text = calibration.add(5, actions, {0: 0.1, 1: 0.2}, 0.5)
+    # the output's own part, timed at the last block's boundary: 3 ms forward, 2 ms input gradient; the
+    # embedding costs nothing (first stage: its W is its whole backward)
+    parts = [("F", 0, "pre", 0.0), ("W", 0, "pre", 0.0), ("F", 3, "post", 3e-3), ("I", 3, "post", 2e-3)] * 8
+    text = calibration.add(5, actions, {0: 0.1, 1: 0.2}, 0.5, parts)
     assert "Bubble per pp rank measured 10.0%/20.0%" in text and str(tmp_path / "pipeline_costs.json") in text
+    assert "(first stage's own part F 0.00 ms, B 0.00 ms; last stage's own part F 3.00 ms, I 2.00 ms, per" in text
+    untimed = build_calibration(plan, torch.device("cpu"), tmp_path / "untimed", program).add(5, actions, {}, 0.5)
+    assert "(the first and last stages' own parts not timed: divided as the FLOP model does)" in untimed
     measured = load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(tmp_path / "pipeline_costs.json")])
     costs = measured.pipeline_costs
     assert costs.unit == "s" and costs.measured_counts == plan.pipeline.counts

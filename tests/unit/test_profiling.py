@@ -3,8 +3,11 @@
 import json
 import math
 import re
+import time
 
 import pytest
+import torch
+from torch import nn
 
 from trainer.profiling import PipelineTimeline, merge_timeline, timeline_svg
 
@@ -308,60 +311,63 @@ def test_the_loss_after_the_last_stages_forward_is_timed_as_part_of_it(tmp_path)
     assert b["ts"] >= f["ts"] + f["dur"] and b["dur"] < 20_000
 
 
+# A stage holding the embedding, two blocks and the output, each part sleeping a known time in its forward
+# and its backward (seconds).
+
+
+class Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        time.sleep(fwd)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.bwd)
+        return grad, None, None
+
+
+class Part(nn.Module):
+    def __init__(self, fwd, bwd):
+        super().__init__()
+        self.fwd, self.bwd, self.w = fwd, bwd, nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return Sleep.apply(x * self.w, self.fwd, self.bwd)
+
+
+class Chunk(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.out = Part(0.03, 0.04), Part(0.02, 0.05)
+        self.layers = nn.ModuleDict({"0": Part(0.06, 0.06), "1": Part(0.06, 0.06)})
+
+    def forward(self, x):
+        h = self.tok(x)
+        for block in self.layers.values():
+            h = block(h)
+        return self.out(h)
+
+
+class Stage(FakeStage):
+    stage_index, is_first, is_last = 0, True, True
+
+    def __init__(self):
+        self.submod = Chunk()
+
+    def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
+        self.output = self.submod(torch.ones(2))
+        return self.output
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        self.output.sum().backward()
+
+
 def test_first_and_last_stages_time_their_own_parts_at_the_block_boundaries(tmp_path):
     """A stage holding the embedding, two blocks and the output, each part sleeping a known time in its
     forward and its backward: the calibration receives the pre part's and the post part's own times,
     each at least its sleep and less than its sleep plus one block's."""
-    import time
-
-    import torch
-    from torch import nn
-
-    class Sleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, fwd, bwd):
-            ctx.bwd = bwd
-            time.sleep(fwd)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            time.sleep(ctx.bwd)
-            return grad, None, None
-
-    class Part(nn.Module):
-        def __init__(self, fwd, bwd):
-            super().__init__()
-            self.fwd, self.bwd, self.w = fwd, bwd, nn.Parameter(torch.ones(2))
-
-        def forward(self, x):
-            return Sleep.apply(x * self.w, self.fwd, self.bwd)
-
-    class Chunk(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.tok, self.out = Part(0.03, 0.04), Part(0.02, 0.05)
-            self.layers = nn.ModuleDict({"0": Part(0.06, 0.06), "1": Part(0.06, 0.06)})
-
-        def forward(self, x):
-            h = self.tok(x)
-            for block in self.layers.values():
-                h = block(h)
-            return self.out(h)
-
-    class Stage(FakeStage):
-        stage_index, is_first, is_last = 0, True, True
-
-        def __init__(self):
-            self.submod = Chunk()
-
-        def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
-            self.output = self.submod(torch.ones(2))
-            return self.output
-
-        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-            self.output.sum().backward()
-
     class Calibration:
         def add(self, step, actions, bubbles, span, parts=()):
             self.parts = {(kind, part): seconds for kind, _, part, seconds in parts}
@@ -380,3 +386,15 @@ def test_first_and_last_stages_time_their_own_parts_at_the_block_boundaries(tmp_
     assert set(calibration.parts) == set(sleeps)
     for key, sleep in sleeps.items():
         assert sleep <= calibration.parts[key] < sleep + 0.06, key
+
+
+def test_compiled_blocks_are_not_hooked_and_the_run_says_so(tmp_path, caplog):
+    """A compiled block would run the boundary hooks inside compiled code: none is registered, one line says so."""
+    stage = Stage()
+    stage.submod.layers["1"].compile()  # compiles at its first call, which this test never makes
+    timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True)
+    with caplog.at_level("INFO"):
+        timeline.attach([stage], "layers")
+    blocks = list(stage.submod.layers.values())
+    assert not blocks[0]._forward_pre_hooks and not blocks[-1]._forward_hooks
+    assert "the blocks are compiled, so the first and last stages' own parts are not timed" in caplog.text

@@ -72,6 +72,13 @@ class Calibration:
                   f"with the measured costs the planner would choose {self._points(best)}: predicted step"
                   f" {1e3 * best.makespan:.1f} ms against {1e3 * after.makespan:.1f} ms for this split"
                   f" ({100 * gain:.1f}% shorter)")
+        own = {part: ", ".join(f"{k} {1e3 * f['part_mean_s'][part]:.2f} ms" for k, f in fit.items()
+                               if part in f.get("part_mean_s", {}))
+               for part in ("pre", "post")}
+        timed = "; ".join(f"{name} {own[part]}" for part, name in
+                          (("pre", "first stage's own part"), ("post", "last stage's own part")) if own[part])
+        per_rank += (f" ({timed}, per microbatch)" if timed else
+                     " (the first and last stages' own parts not timed: divided as the FLOP model does)")
         return (f"pipeline costs of step {step}: {per_rank}. Bubble per pp rank measured "
                 f"{_bubbles(measured_bubble)}, predicted {_bubbles(_of(before))} before calibration,"
                 f" {_bubbles(_of(after))} after (a transfer between ranks fitted at {1e3 * send:.2f} ms);"
