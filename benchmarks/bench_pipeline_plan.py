@@ -16,7 +16,9 @@ case, so that the two measurements of one split show this machine's noise over t
 per model and schedule: the best measured split against the planner's (the planner's step / the best
 step), the old stage-balanced split (split_mode flops) against the planner's, and the predicted
 bubble per rank against the measured one before and after calibration (mean and worst absolute
-difference in points over the splits measured), and how far the planner's split's measured bubble
+difference in points over the splits measured; "after" also as the calibration would be without
+the first and last stages' own parts timed, fitted again from the same recorded actions), and how
+far the planner's split's measured bubble
 moved between its first and last case (this machine's noise, the floor under those errors).
 """
 
@@ -82,6 +84,19 @@ def predicted_bubbles(sim: Simulator, counts: tuple[int, ...]) -> list[float]:
     return [p.bubble(r) for r in range(len(p.busy))]
 
 
+def measured_busy(dump: Path, steps: list[int]) -> list[float]:
+    """Each pp rank's busy seconds per step (the sum of its actions), the median over the timed steps."""
+    per_step = []
+    for s in steps:
+        trace = json.loads((dump / "profile_traces" / f"pipeline_timeline_step{s}.json").read_text())
+        busy = [0.0, 0.0]
+        for e in trace["traceEvents"]:
+            if e["ph"] == "X":
+                busy[e["pid"]] += e["dur"] / 1e6
+        per_step.append(busy)
+    return [statistics.median(b[r] for b in per_step) for r in range(2)]
+
+
 def measured_bubbles(dumps: list[Path], steps: list[int]) -> list[float]:
     traces = [json.loads((dump / "profile_traces" / f"pipeline_timeline_step{s}.json").read_text())["otherData"]
               for dump in dumps for s in steps]
@@ -108,8 +123,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     others = [c for c in dict.fromkeys([old.pipeline.counts, *chosen]) if c != p.counts]
     order = [p.counts] + others
     # Later passes in a fresh seeded order each: this machine's speed drifts over a launch (the same
-    # split's identical work took 25% less time in one stretch of minutes than in another), and a
-    # reversed pass would run the split at its turn twice in a row, in one stretch.
+    # split's identical work took 21-28% less time in one stretch of minutes than in another), and
+    # passes reversed then forward run the splits near each turn twice within a few cases.
     rng = random.Random(1)
     for _ in range(1, args.repeats):
         shuffled = rng.sample(others, len(others))
@@ -140,7 +155,24 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             raise RuntimeError(proc.stderr[-3000:])
     cost_file = Path(cases[0]["dump"]) / "profile_traces" / "pipeline_costs.json"
     calibrated = load(base + ["--parallelism.pipeline_parallel_cost_file", str(cost_file)])
-    csim = Simulator(calibrated.pipeline_costs, program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank))
+    program = program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank)
+    csim = Simulator(calibrated.pipeline_costs, program)
+    import torch
+
+    from trainer.train import build_calibration
+
+    # The same calibration without the first and last stages' own part times (what a run measured before
+    # they were timed): fitted again from the planner's first case's recorded actions alone.
+    whole = tmp / f"{model}_{schedule}_whole_stages"
+    calibration = build_calibration(plan, torch.device("cpu"), whole, program)
+    for step in timed:
+        trace = json.loads((Path(cases[0]["dump"]) / "profile_traces" / f"pipeline_timeline_step{step}.json")
+                           .read_text())
+        actions = [(e["args"]["action"], e["args"]["stage"], e["dur"] / 1e6) for e in trace["traceEvents"]
+                   if e["ph"] == "X"]
+        calibration.add(step, actions, {}, trace["otherData"]["span_us"] / 1e6)
+    wsim = Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
+                                  str(whole / "pipeline_costs.json")]).pipeline_costs, program)
     # Each split's step and bubbles: the medians over every timed step of its cases (the planner's: its
     # first case, which the calibration measured, and its last)
     by_split: dict[tuple[int, ...], list[dict]] = {}
@@ -157,7 +189,12 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      "case_steps": [statistics.median(s) for s in steps],
                      "measured": [statistics.median(b[r] for b in case_bubbles) for r in range(2)],
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
-                     "predicted_s": csim.predict(counts).makespan})
+                     "after_whole_stages": predicted_bubbles(wsim, counts),
+                     "predicted_s": csim.predict(counts).makespan,
+                     # each rank's busy seconds per step, measured and as the calibrated costs predict them
+                     "busy": [statistics.median(b[r] for b in [measured_busy(Path(c["dump"]), timed) for c in runs])
+                              for r in range(2)],
+                     "busy_predicted": list(csim.predict(counts).busy)})
     first, again = (statistics.median(json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:])
                     for c in (cases[0], cases[-1]))
     # the same split measured twice: how far its bubbles move is this machine's noise, the floor under
@@ -166,7 +203,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     noise = max(abs(a - b) * 100 for a, b in zip(first_bubbles, again_bubbles))
     best = min(rows, key=lambda r: r["step"])
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
-    err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)] for k in ("before", "after")}
+    err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)]
+           for k in ("before", "after", "after_whole_stages")}
     calibrated_pick = min(rows, key=lambda r: r["predicted_s"])
     return {"model": model, "schedule": schedule, "splits": len(every), "measured": len(rows),
             "planner": points(planner["counts"]), "planner_step": planner["step"], "planner_first_step": first,
@@ -176,6 +214,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "calibrated_pick": points(calibrated_pick["counts"]), "calibrated_pick_step": calibrated_pick["step"],
             "bubble_err_before": (statistics.mean(err["before"]), max(err["before"])),
             "bubble_err_after": (statistics.mean(err["after"]), max(err["after"])), "bubble_noise": noise,
+            "bubble_err_after_whole_stages": (statistics.mean(err["after_whole_stages"]),
+                                              max(err["after_whole_stages"])),
             "rows": rows}
 
 
@@ -200,8 +240,8 @@ def main() -> None:
     print("| model | schedule | splits (measured) | planner's split: step | same split: first / last case"
           " | best measured split: step | planner/best"
           " | old flops split: step | old/planner | calibrated pick: step | bubble error before calibration, mean/worst"
-          " (points) | after | same split twice: bubble moved (points) |")
-    print("|---|---|---|---|---|---|---:|---|---:|---|---|---|---:|")
+          " (points) | after | after, own parts not timed | same split twice: bubble moved (points) |")
+    print("|---|---|---|---|---|---|---:|---|---:|---|---|---|---|---:|")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -218,6 +258,7 @@ def main() -> None:
                       f" | {r['calibrated_pick']}: {r['calibrated_pick_step']:.3f} s"
                       f" | {r['bubble_err_before'][0]:.1f} / {r['bubble_err_before'][1]:.1f}"
                       f" | {r['bubble_err_after'][0]:.1f} / {r['bubble_err_after'][1]:.1f}"
+                      f" | {r['bubble_err_after_whole_stages'][0]:.1f} / {r['bubble_err_after_whole_stages'][1]:.1f}"
                       f" | {r['bubble_noise']:.1f} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=list))

@@ -230,7 +230,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         timeline = PipelineTimeline(config.profiling.pipeline_timeline_steps, folder, rank=rank, pp_rank=pp_rank,
                                     writer=writer, program=program, sync=device.type == "cuda",
                                     calibration=build_calibration(plan, device, folder, program) if writer else None)
-        timeline.attach(schedule_stages(parts.schedule), plan.spec.layers_attr)
+        timeline.attach(schedule_stages(parts.schedule), plan.spec.layers_attr, compiled=config.compile.enable)
         wrap_schedule_loss(parts.schedule, timeline.timed_loss)
     profiler = None
     if config.profiling.enable_profiling or config.profiling.enable_memory_snapshot:

@@ -51,9 +51,14 @@ class PipelineTimeline:
         self.events: list[dict] | None = None  # recording when not None
         self.current: dict | None = None  # the action running now, in recorded steps
 
-    def attach(self, stages, layers_attr: str | None = None) -> None:
+    def attach(self, stages, layers_attr: str | None = None, *, compiled: bool = False) -> None:
         """Wrap each stage's compute methods (on the instances: other stages are untouched). With
-        ``layers_attr``, the first and last stages' blocks also mark where their own parts end."""
+        ``layers_attr``, the first and last stages' blocks also mark where their own parts end, unless the
+        blocks are ``compiled`` (their hooks would run inside the compiled code, where clocks are not read)."""
+        if layers_attr is not None and compiled:
+            logger.info("pipeline timeline: the blocks are compiled, so the first and last stages' own parts are"
+                        " not timed (the calibration divides those stages as the FLOP model does)")
+            layers_attr = None
         for stage in stages:
             for name in _METHODS:
                 setattr(stage, name, self._timed(stage, name, getattr(stage, name)))
@@ -61,11 +66,6 @@ class PipelineTimeline:
                 from trainer.models.registry import model_blocks
 
                 blocks = list(model_blocks(stage.submod, layers_attr).values())
-                if (stage.is_first or stage.is_last) and any(_compiled(b) for b in blocks):
-                    # a compiled block runs its hooks inside the compiled code, where clocks are not read
-                    logger.info("pipeline timeline: the blocks are compiled, so the first and last stages' own"
-                                " parts are not timed (the calibration divides those stages as the FLOP model does)")
-                    continue
                 if blocks and stage.is_first:
                     blocks[0].register_forward_pre_hook(self._first_block_starts)
                 if blocks and stage.is_last:
@@ -195,10 +195,6 @@ class PipelineTimeline:
             except Exception as e:  # noqa: BLE001 (a diagnostic must not end the run)
                 logger.warning("pipeline costs of step %d not calibrated: %s", step, e)
         return bubbles
-
-
-def _compiled(module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def part_seconds(event: dict) -> dict[str, float]:
