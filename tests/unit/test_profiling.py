@@ -333,28 +333,30 @@ class Part(nn.Module):
         super().__init__()
         self.fwd, self.bwd, self.w = fwd, bwd, nn.Parameter(torch.ones(2))
 
-    def forward(self, x):
-        return Sleep.apply(x * self.w, self.fwd, self.bwd)
+    def forward(self, *args):
+        return Sleep.apply(args[-1] * self.w, self.fwd, self.bwd)
 
 
 class Chunk(nn.Module):
-    def __init__(self):
+    def __init__(self, traced: bool = False):
         super().__init__()
         self.tok, self.out = Part(0.03, 0.04), Part(0.02, 0.05)
         self.layers = nn.ModuleDict({"0": Part(0.06, 0.06), "1": Part(0.06, 0.06)})
+        self.traced = traced
 
     def forward(self, x):
         h = self.tok(x)
         for block in self.layers.values():
-            h = block(h)
+            # a traced stage calls its blocks with the rotary table (no gradient) before the hidden state
+            h = block(torch.ones(2), h) if self.traced else block(h)
         return self.out(h)
 
 
 class Stage(FakeStage):
     stage_index, is_first, is_last = 0, True, True
 
-    def __init__(self):
-        self.submod = Chunk()
+    def __init__(self, traced: bool = False):
+        self.submod = Chunk(traced)
 
     def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True):
         self.output = self.submod(torch.ones(2))
@@ -364,16 +366,18 @@ class Stage(FakeStage):
         self.output.sum().backward()
 
 
-def test_first_and_last_stages_time_their_own_parts_at_the_block_boundaries(tmp_path):
+@pytest.mark.parametrize("traced", [False, True], ids=["manual", "traced"])
+def test_first_and_last_stages_time_their_own_parts_at_the_block_boundaries(tmp_path, traced):
     """A stage holding the embedding, two blocks and the output, each part sleeping a known time in its
     forward and its backward: the calibration receives the pre part's and the post part's own times,
-    each at least its sleep and less than its sleep plus one block's."""
+    each at least its sleep and less than its sleep plus one block's (also when the blocks take another
+    tensor before the hidden state, as traced blocks do)."""
     class Calibration:
         def add(self, step, actions, bubbles, span, parts=()):
             self.parts = {(kind, part): seconds for kind, _, part, seconds in parts}
             return "calibrated"
 
-    stage, calibration = Stage(), Calibration()
+    stage, calibration = Stage(traced), Calibration()
     timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True, calibration=calibration)
     timeline.attach([stage], "layers")
     stage.forward_one_chunk(0, ())  # outside a recorded step: no marks

@@ -83,8 +83,11 @@ class PipelineTimeline:
         if self.current is None or self.current["kind"] != "F":
             return
         self._mark("pre")
-        if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-            args[0].register_hook(self._gradient_reaches("pre"))
+        # the hidden state: the first input that carries a gradient (a traced block takes the rotary
+        # table first)
+        hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+        if hidden is not None:
+            hidden.register_hook(self._gradient_reaches("pre"))
 
     def _last_block_ends(self, module, args, output) -> None:
         if self.current is None or self.current["kind"] != "F":
