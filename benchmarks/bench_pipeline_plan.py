@@ -18,8 +18,9 @@ step), the old stage-balanced split (split_mode flops) against the planner's, an
 bubble per rank against the measured one before and after calibration (mean and worst absolute
 difference in points over the splits measured; "after" also as the calibration would be without
 the first and last stages' own parts timed, fitted again from the same recorded actions), and how
-far the planner's split's measured bubble
-moved between its first and last case (this machine's noise, the floor under those errors).
+far the planner's split's measured bubble moved between its first and last case (this machine's
+noise, the floor under those errors). With --json, each split's row also holds each rank's busy
+time per step, measured and as the calibrated costs predict it.
 """
 
 import argparse
@@ -173,8 +174,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         calibration.add(step, actions, {}, trace["otherData"]["span_us"] / 1e6)
     wsim = Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
                                   str(whole / "pipeline_costs.json")]).pipeline_costs, program)
-    # Each split's step and bubbles: the medians over every timed step of its cases (the planner's: its
-    # first case, which the calibration measured, and its last)
+    # Each split's step and bubbles over its cases (the planner's: its first case, which the calibration
+    # measured, and its last)
     by_split: dict[tuple[int, ...], list[dict]] = {}
     for case in cases:
         by_split.setdefault(tuple(case["counts"]), []).append(case)
