@@ -105,6 +105,10 @@ def measured_bubbles(dumps: list[Path], steps: list[int]) -> list[float]:
 
 
 def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) -> dict:
+    import torch
+
+    from trainer.train import build_calibration
+
     base = MODELS[model] + [a.format(steps=args.steps) for a in COMMON] + [
         "--parallelism.pipeline_parallel_schedule", schedule]
     plan = load(base)
@@ -158,10 +162,6 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     calibrated = load(base + ["--parallelism.pipeline_parallel_cost_file", str(cost_file)])
     program = program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank)
     csim = Simulator(calibrated.pipeline_costs, program)
-    import torch
-
-    from trainer.train import build_calibration
-
     # The same calibration without the first and last stages' own part times (what a run measured before
     # they were timed): fitted again from the planner's first case's recorded actions alone.
     whole = tmp / f"{model}_{schedule}_whole_stages"

@@ -149,15 +149,18 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
     their own parts, timed at the block boundaries (``profiling.timeline.part_seconds``). Each kind's
     measured mean pins its pre or post like a stage's measurement, so the blocks are priced from what
     is left: one run then separates a block from the embedding's gradient and the loss."""
+    def fitted_kind(kind: str, stage: int) -> str | None:
+        """The first stage's split backward: its W is its whole backward (B), its I computes nothing."""
+        return {"I": None, "W": "B"}.get(kind, kind) if stage == 0 else kind
+
     samples: dict[tuple[str, int], list[float]] = {}
     for kind, stage, seconds in actions:
-        if (kind, stage) == ("I", 0):
-            continue
-        samples.setdefault(("B" if (kind, stage) == ("W", 0) else kind, stage), []).append(seconds)
+        if (fitted := fitted_kind(kind, stage)) is not None:
+            samples.setdefault((fitted, stage), []).append(seconds)
     own: dict[tuple[str, str], list[float]] = {}
     for kind, stage, part, seconds in parts:
-        if (kind, stage) != ("I", 0):
-            own.setdefault(("B" if (kind, stage) == ("W", 0) else kind, part), []).append(seconds)
+        if (fitted := fitted_kind(kind, stage)) is not None:
+            own.setdefault((fitted, part), []).append(seconds)
     fit = {}
     last = len(counts) - 1
     starts = [1 + sum(counts[:s]) for s in range(len(counts))]
