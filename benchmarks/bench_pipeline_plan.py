@@ -16,11 +16,13 @@ case, so that the two measurements of one split show this machine's noise over t
 per model and schedule: the best measured split against the planner's (the planner's step / the best
 step), the old stage-balanced split (split_mode flops) against the planner's, and the predicted
 bubble per rank against the measured one before and after calibration (mean and worst absolute
-difference in points over the splits measured; "after" also as the calibration would be without
-the first and last stages' own parts timed, fitted again from the same recorded actions), and how
-far the planner's split's measured bubble moved between its first and last case (this machine's
-noise, the floor under those errors). With --json, each split's row also holds each rank's busy
-time per step, measured and as the calibrated costs predict it.
+difference in points over the splits measured; "after" also as the calibration would be with no
+block boundaries timed and with only the first stage's lead and the last stage's tail, fitted again
+from the same recorded actions), and how far the planner's split's measured bubble moved between its
+first and last case (this machine's noise, the floor under those errors). A second table: a block's
+measured time on ranks that waited much against ranks that hardly waited. With --json, each split's
+row also holds each rank's busy time per step, measured and as the calibrated costs predict it, and
+its time per block.
 """
 
 import argparse
@@ -162,18 +164,29 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     calibrated = load(base + ["--parallelism.pipeline_parallel_cost_file", str(cost_file)])
     program = program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank)
     csim = Simulator(calibrated.pipeline_costs, program)
-    # The same calibration without the first and last stages' own part times (what a run measured before
-    # they were timed): fitted again from the planner's first case's recorded actions alone.
-    whole = tmp / f"{model}_{schedule}_whole_stages"
-    calibration = build_calibration(plan, torch.device("cpu"), whole, program)
-    for step in timed:
-        trace = json.loads((Path(cases[0]["dump"]) / "profile_traces" / f"pipeline_timeline_step{step}.json")
-                           .read_text())
-        actions = [(e["args"]["action"], e["args"]["stage"], e["dur"] / 1e6) for e in trace["traceEvents"]
-                   if e["ph"] == "X"]
-        calibration.add(step, actions, {}, trace["otherData"]["span_us"] / 1e6)
-    wsim = Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
-                                  str(whole / "pipeline_costs.json")]).pipeline_costs, program)
+    # The same calibration as it would be with fewer boundaries timed, fitted again from the planner's
+    # first case's recorded actions: none (each stage divided as the FLOP model does), and only the first
+    # stage's lead and the last stage's tail (the embedding and the output with the per-action cost in
+    # them: what the previous version timed).
+    last = p.num_stages - 1
+
+    def refit(name: str, keep) -> Simulator:
+        folder = tmp / f"{model}_{schedule}_{name}"
+        calibration = build_calibration(plan, torch.device("cpu"), folder, program)
+        for step in timed:
+            trace = json.loads((Path(cases[0]["dump"]) / "profile_traces" / f"pipeline_timeline_step{step}.json")
+                               .read_text())
+            events = [e["args"] for e in trace["traceEvents"] if e["ph"] == "X"]
+            actions = [(e["action"], e["stage"], d["dur"] / 1e6) for e, d in zip(
+                events, (e for e in trace["traceEvents"] if e["ph"] == "X"), strict=True)]
+            parts = [(e["action"], e["stage"], part, e[f"{part}_ms"] / 1e3) for e in events
+                     for part in ("lead", "tail") if f"{part}_ms" in e and keep(e["stage"], part)]
+            calibration.add(step, actions, {}, trace["otherData"]["span_us"] / 1e6, parts)
+        return Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
+                                      str(folder / "pipeline_costs.json")]).pipeline_costs, program)
+
+    wsim = refit("whole_stages", lambda stage, part: False)
+    esim = refit("ends_only", lambda stage, part: (stage, part) in ((0, "lead"), (last, "tail")))
     # Each split's step and bubbles over its cases (the planner's: its first case, which the calibration
     # measured, and its last)
     by_split: dict[tuple[int, ...], list[dict]] = {}
@@ -191,6 +204,12 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      "measured": [statistics.median(b[r] for b in case_bubbles) for r in range(2)],
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
                      "after_whole_stages": predicted_bubbles(wsim, counts),
+                     "after_ends_only": predicted_bubbles(esim, counts),
+                     # each rank's mean seconds per block and microbatch, forward and backward (B or I),
+                     # the median over the split's cases
+                     "block_s": {k: [statistics.median(b[k][r] for b in [per_block(Path(c["dump"]), timed)
+                                                                         for c in runs]) for r in range(2)]
+                                 for k in ("forward", "backward")},
                      "predicted_s": csim.predict(counts).makespan,
                      # each rank's busy seconds per step, measured and as the calibrated costs predict them
                      "busy": [statistics.median(b[r] for b in [measured_busy(Path(c["dump"]), timed) for c in runs])
@@ -205,7 +224,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     best = min(rows, key=lambda r: r["step"])
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)]
-           for k in ("before", "after", "after_whole_stages")}
+           for k in ("before", "after", "after_whole_stages", "after_ends_only")}
     calibrated_pick = min(rows, key=lambda r: r["predicted_s"])
     return {"model": model, "schedule": schedule, "splits": len(every), "measured": len(rows),
             "planner": points(planner["counts"]), "planner_step": planner["step"], "planner_first_step": first,
@@ -217,7 +236,38 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "bubble_err_after": (statistics.mean(err["after"]), max(err["after"])), "bubble_noise": noise,
             "bubble_err_after_whole_stages": (statistics.mean(err["after_whole_stages"]),
                                               max(err["after_whole_stages"])),
+            "bubble_err_after_ends_only": (statistics.mean(err["after_ends_only"]), max(err["after_ends_only"])),
+            "slower_when_waiting": slower_when_waiting(rows),
             "rows": rows}
+
+
+def per_block(dump: Path, steps: list[int]) -> dict[str, list[float]]:
+    """Each pp rank's mean seconds per block and microbatch over the timed steps, forward and backward (the
+    blocks' times the timeline records in each action; a backward is B or I: the first stage's W of a split
+    backward, its whole backward, is left out so that both ranks' figures are of one kind)."""
+    total = {k: [[0.0, 0] for _ in range(2)] for k in ("forward", "backward")}
+    for s in steps:
+        trace = json.loads((dump / "profile_traces" / f"pipeline_timeline_step{s}.json").read_text())
+        for e in trace["traceEvents"]:
+            if e["ph"] == "X" and e["args"].get("blocks_ms") and e["cat"] != "W":
+                kind = "forward" if e["cat"] == "F" else "backward"
+                acc = total[kind][e["pid"]]
+                acc[0] += sum(e["args"]["blocks_ms"]) / 1e3
+                acc[1] += len(e["args"]["blocks_ms"])
+    return {k: [t / n if n else float("nan") for t, n in v] for k, v in total.items()}
+
+
+def slower_when_waiting(rows: list[dict]) -> dict[str, tuple[float, float, int, int]]:
+    """Forward and backward seconds per block on ranks that waited (measured bubble 40% or more) against
+    ranks that hardly did (under 15%), over every split and rank of a group: (median busy, median waiting,
+    how many busy, how many waiting)."""
+    out = {}
+    for kind in ("forward", "backward"):
+        busy = [r["block_s"][kind][i] for r in rows for i in range(2) if r["measured"][i] < 0.15]
+        waiting = [r["block_s"][kind][i] for r in rows for i in range(2) if r["measured"][i] >= 0.40]
+        out[kind] = (statistics.median(busy) if busy else float("nan"),
+                     statistics.median(waiting) if waiting else float("nan"), len(busy), len(waiting))
+    return out
 
 
 def main() -> None:
@@ -241,8 +291,9 @@ def main() -> None:
     print("| model | schedule | splits (measured) | planner's split: step | same split: first / last case"
           " | best measured split: step | planner/best"
           " | old flops split: step | old/planner | calibrated pick: step | bubble error before calibration, mean/worst"
-          " (points) | after | after, own parts not timed | same split twice: bubble moved (points) |")
-    print("|---|---|---|---|---|---|---:|---|---:|---|---|---|---|---:|")
+          " (points) | after | after, no boundaries timed | after, only the first and last stages' own parts"
+          " | same split twice: bubble moved (points) |")
+    print("|---|---|---|---|---|---|---:|---|---:|---|---|---|---|---|---:|")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -260,7 +311,16 @@ def main() -> None:
                       f" | {r['bubble_err_before'][0]:.1f} / {r['bubble_err_before'][1]:.1f}"
                       f" | {r['bubble_err_after'][0]:.1f} / {r['bubble_err_after'][1]:.1f}"
                       f" | {r['bubble_err_after_whole_stages'][0]:.1f} / {r['bubble_err_after_whole_stages'][1]:.1f}"
+                      f" | {r['bubble_err_after_ends_only'][0]:.1f} / {r['bubble_err_after_ends_only'][1]:.1f}"
                       f" | {r['bubble_noise']:.1f} |", flush=True)
+    print("\nA block's time on the ranks that waited (measured bubble 40% or more) against those that hardly did"
+          " (under 15%), over every split and rank (ms per block and microbatch, medians; how many rank-splits):\n")
+    print("| model | schedule | forward: busy / waiting (ratio) | backward: busy / waiting (ratio) |")
+    print("|---|---|---|---|")
+    for r in results:
+        cells = [f"{1e3 * b:.2f} ({nb}) / {1e3 * w:.2f} ({nw}) ({w / b:.3f})"
+                 for b, w, nb, nw in (r["slower_when_waiting"][k] for k in ("forward", "backward"))]
+        print(f"| {r['model']} | {r['schedule']} | {cells[0]} | {cells[1]} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=list))
 

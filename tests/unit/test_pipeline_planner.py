@@ -177,32 +177,38 @@ def test_calibration_recovers_the_costs_that_made_the_measurements(counts):
                                                       rel=1e-3)
 
 
-def test_timed_parts_let_one_two_stage_run_price_every_split():
-    """Two stages measure four numbers per kind as two; with the first and last stages' own parts timed at
-    their block boundaries the fit recovers all four, so splits far from the measured one are priced as
-    the known seconds price them (without the part times it must guess from the FLOP model, and misses)."""
+def test_timed_block_boundaries_let_one_two_stage_run_price_every_split():
+    """Two stages measure five numbers per kind (what every action costs before and after its blocks, a
+    block, the embedding, the output) as two; with every stage's lead and tail timed at its block
+    boundaries the fit recovers all five, so splits far from the measured one are priced as the known
+    seconds price them (within 0.5%). Without the part times it must guess from the FLOP model (misses by
+    over 5%); with only the first stage's lead and the last stage's tail (the embedding and the output,
+    with the per-action cost in them) it cannot tell the per-action cost from a block's (over 1%)."""
     units = flop_costs([(0.0, 0.0)] + [(3.0, 1.0), (2.0, 1.0), (4.0, 1.0), (3.0, 1.0), (2.0, 1.0), (3.0, 1.0)]
                        + [(5.0, 0.0)], tokens=1, tp=1, recompute=[False] * 6, flops_per_second=None,
                        send_bytes=0, link_bytes_per_second=1, link_latency=0)
-    # the embedding's gradient and the loss cost what the FLOP model says they do not (pre 0, post 5 units)
-    truth = {"F": (0.001, 0.010, 0.004, 0.030), "B": (0.002, 0.020, 0.009, 0.070)}
+    # (lead overhead, tail overhead, per unit, pre, post): the embedding's gradient, the loss and the
+    # per-action cost are what the FLOP model prices at nothing
+    truth = {"F": (0.006, 0.004, 0.010, 0.004, 0.030), "B": (0.001, 0.004, 0.020, 0.009, 0.070)}
     parts = {k: (pre, *(per_unit * u for u in units.parts[k][1:-1]), post)
-             for k, (_, per_unit, pre, post) in truth.items()}
+             for k, (_, _, per_unit, pre, post) in truth.items()}
     parts["I"], parts["W"] = parts["B"], parts["B"]  # not measured by this schedule, not compared
-    known = PartCosts(parts, {k: truth[k][0] for k in "FB"} | {"I": 0.0, "W": 0.0}, 0.0, "s", "known")
+    known = PartCosts(parts, {k: truth[k][0] + truth[k][1] for k in "FB"} | {"I": 0.0, "W": 0.0}, 0.0, "s", "known")
     counts = [3, 3]
     table = known.stage_table(counts)
     actions = [(k, s, table[KINDS.index(k)][s]) for k in "FB" for s in (0, 1) for _ in range(4)]
-    timed = [(k, 0, "pre", truth[k][2]) for k in "FB"] + [(k, 1, "post", truth[k][3]) for k in "FB"]
-    with_parts = calibrated_costs(units, fit_costs(units, counts, actions, timed), send=0.0, source="fit")
-    without = calibrated_costs(units, fit_costs(units, counts, actions), send=0.0, source="fit")
+    leads = [(k, s, "lead", truth[k][0] + truth[k][3] * (s == 0)) for k in "FB" for s in (0, 1)]
+    tails = [(k, s, "tail", truth[k][1] + truth[k][4] * (s == 1)) for k in "FB" for s in (0, 1)]
+    timed = calibrated_costs(units, fit_costs(units, counts, actions, leads + tails), send=0.0, source="fit")
     for other in ((1, 5), (5, 1), (2, 4)):
-        want = known.stage_table(other)
-        got = with_parts.stage_table(other)
+        want, got = known.stage_table(other), timed.stage_table(other)
         for k in "FB":
             assert got[KINDS.index(k)] == pytest.approx(want[KINDS.index(k)], rel=5e-3), (other, k)
-    far = without.stage_table((5, 1))[KINDS.index("B")]
-    assert far != pytest.approx(known.stage_table((5, 1))[KINDS.index("B")], rel=0.05)
+    ends_only = [p for p in leads + tails if (p[1], p[2]) in ((0, "lead"), (1, "tail"))]
+    for guess, missed_by in ((fit_costs(units, counts, actions), 0.05),
+                             (fit_costs(units, counts, actions, ends_only), 0.01)):
+        far = calibrated_costs(units, guess, send=0.0, source="fit").stage_table((1, 5))
+        assert far[KINDS.index("F")][0] != pytest.approx(known.stage_table((1, 5))[KINDS.index("F")][0], rel=missed_by)
 
 
 def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
@@ -239,14 +245,28 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     seconds = {"F": [9e-3, 5e-3, 9e-3, 8e-3], "I": [0.0, 5.5e-3, 10.5e-3, 7.5e-3],
                "W": [16.5e-3, 3.5e-3, 6.5e-3, 5.5e-3]}
     actions = [(k, s, v) for k, row in seconds.items() for s, v in enumerate(row) for _ in range(8)]
-    # the output's own part, timed at the last block's boundary: 3 ms forward, 2 ms input gradient; the
-    # embedding costs nothing (first stage: its W is its whole backward)
-    parts = [("F", 0, "pre", 0.0), ("W", 0, "pre", 0.0), ("F", 3, "post", 3e-3), ("I", 3, "post", 2e-3)] * 8
+    # timed at the block boundaries: every action 0.6 ms before its blocks and 0.4 ms after them (F), 0.5 ms
+    # before (I); the output's own part 3 ms forward, 2 ms input gradient; the embedding costs nothing
+    # (the first stage's W is its whole backward: 0.5 + 0.5 ms before its blocks, nothing after); blocks:
+    # F 4 ms, I 5 ms, the fused backward 8 ms
+    counts = plan.pipeline.counts
+    parts = [("F", s, "lead", 0.6e-3) for s in range(4)] + [("F", s, "tail", 0.4e-3 + 3e-3 * (s == 3))
+                                                             for s in range(4)]
+    parts += [("I", s, "lead", 0.5e-3) for s in (1, 2, 3)] + [("I", s, "tail", 2e-3 * (s == 3)) for s in (1, 2, 3)]
+    parts += [("W", 0, "lead", 1e-3), ("W", 0, "tail", 0.0)]
+    parts += [("F", s, "blocks", 4e-3 * counts[s]) for s in range(4)] + [("I", s, "blocks", 5e-3 * counts[s])
+                                                                         for s in (1, 2, 3)]
+    parts = parts * 8 + [("W", 0, "blocks", 8e-3 * counts[0])]
     text = calibration.add(5, actions, {0: 0.1, 1: 0.2}, 0.5, parts)
     assert "Bubble per pp rank measured 10.0%/20.0%" in text and str(tmp_path / "pipeline_costs.json") in text
-    assert "(first stage's own part F 0.00 ms, B 0.00 ms; last stage's own part F 3.00 ms, I 2.00 ms, per" in text
+    assert ("(outside the blocks, timed at their boundaries: F 1.00 ms per action, first stage's own part 0.00 ms,"
+            " last stage's own part 3.00 ms; I 0.50 ms per action, first stage's own part 0.00 ms, last stage's"
+            " own part 2.00 ms; ") in text
+    # the fused backward ran on pp rank 0 only: no B figure to compare
+    assert "; a block took F 4.00 / 4.00 ms, I 5.00 / 5.00 ms on pp rank 0 / 1 (the costs price" in text
     untimed = build_calibration(plan, torch.device("cpu"), tmp_path / "untimed", program).add(5, actions, {}, 0.5)
-    assert "(the first and last stages' own parts not timed: divided as the FLOP model does)" in untimed
+    assert "(the parts outside the blocks not timed: each stage divided as the FLOP model does)" in untimed
+    assert "a block took" not in untimed
     measured = load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(tmp_path / "pipeline_costs.json")])
     costs = measured.pipeline_costs
     assert costs.unit == "s" and costs.measured_counts == plan.pipeline.counts

@@ -341,7 +341,7 @@ class Chunk(nn.Module):
     def __init__(self, traced: bool = False):
         super().__init__()
         self.tok, self.out = Part(0.03, 0.04), Part(0.02, 0.05)
-        self.layers = nn.ModuleDict({"0": Part(0.06, 0.06), "1": Part(0.06, 0.06)})
+        self.layers = nn.ModuleDict({"0": Part(0.06, 0.09), "1": Part(0.08, 0.07)})
         self.traced = traced
 
     def forward(self, x):
@@ -353,7 +353,7 @@ class Chunk(nn.Module):
 
 
 class Stage(FakeStage):
-    stage_index, is_first, is_last = 0, True, True
+    stage_index = 0
 
     def __init__(self, traced: bool = False):
         self.submod = Chunk(traced)
@@ -367,11 +367,12 @@ class Stage(FakeStage):
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["manual", "traced"])
-def test_first_and_last_stages_time_their_own_parts_at_the_block_boundaries(tmp_path, traced):
+def test_each_action_is_timed_before_in_and_after_its_blocks(tmp_path, traced):
     """A stage holding the embedding, two blocks and the output, each part sleeping a known time in its
-    forward and its backward: the calibration receives the pre part's and the post part's own times,
-    each at least its sleep and less than its sleep plus one block's (also when the blocks take another
-    tensor before the hidden state, as traced blocks do)."""
+    forward and its backward: the trace and the calibration receive the lead (before the first block),
+    the tail (after the last) and each block's time, each at least its sleep and less than its sleep plus
+    the shortest neighbour's (also when the blocks take another tensor before the hidden state, as
+    traced blocks do)."""
     class Calibration:
         def add(self, step, actions, bubbles, span, parts=()):
             self.parts = {(kind, part): seconds for kind, _, part, seconds in parts}
@@ -386,10 +387,21 @@ def test_first_and_last_stages_time_their_own_parts_at_the_block_boundaries(tmp_
     stage.forward_one_chunk(0, ())
     stage.backward_one_chunk(0)
     timeline.end_step(1)
-    sleeps = {("F", "pre"): 0.03, ("F", "post"): 0.02, ("B", "pre"): 0.04, ("B", "post"): 0.05}
-    assert set(calibration.parts) == set(sleeps)
+    # (kind, part): (sleep, the least time a neighbouring part's sleep could add if a mark were misplaced)
+    sleeps = {("F", "lead"): 0.03, ("F", "tail"): 0.02, ("B", "lead"): 0.04, ("B", "tail"): 0.05}
+    blocks = {"F": [0.06, 0.08], "B": [0.09, 0.07]}
+    assert set(calibration.parts) == set(sleeps) | {("F", "blocks"), ("B", "blocks")}
     for key, sleep in sleeps.items():
-        assert sleep <= calibration.parts[key] < sleep + 0.06, key
+        assert sleep <= calibration.parts[key] < sleep + 0.02, key
+    trace = json.loads((tmp_path / "pipeline_timeline_step1.json").read_text())
+    for e in (e for e in trace["traceEvents"] if e["ph"] == "X"):
+        kind, args = e["cat"], e["args"]
+        for part in ("lead", "tail"):
+            assert sleeps[(kind, part)] <= args[f"{part}_ms"] / 1e3 < sleeps[(kind, part)] + 0.02, (kind, part)
+        assert len(args["blocks_ms"]) == 2
+        for got, sleep in zip(args["blocks_ms"], blocks[kind]):
+            assert sleep <= got / 1e3 < sleep + 0.02, (kind, args["blocks_ms"])
+        assert calibration.parts[(kind, "blocks")] == pytest.approx(sum(args["blocks_ms"]) / 1e3)
 
 
 def test_compiled_blocks_are_not_hooked_and_the_run_says_so(tmp_path, caplog):
@@ -400,4 +412,4 @@ def test_compiled_blocks_are_not_hooked_and_the_run_says_so(tmp_path, caplog):
         timeline.attach([stage], "layers", compiled=True)
     blocks = list(stage.submod.layers.values())
     assert not blocks[0]._forward_pre_hooks and not blocks[-1]._forward_hooks
-    assert "the blocks are compiled, so the first and last stages' own parts are not timed" in caplog.text
+    assert "the blocks are compiled, so the stages' parts outside their blocks are not timed" in caplog.text

@@ -36,7 +36,7 @@ class Calibration:
     def add(self, step: int, actions: list[tuple[str, int, float]], measured_bubble: dict[int, float],
             span: float, parts: list[tuple[str, int, str, float]] = ()) -> str:
         """Record one step's (kind, stage, seconds) actions, its pipeline span (seconds) and the (kind, stage,
-        part, seconds) times of the first and last stages' own parts; returns the log text."""
+        "lead" or "tail", seconds) times its actions spent before and after their blocks; returns the log text."""
         self.actions += actions
         self.parts += parts
         self.steps.append(step)
@@ -72,17 +72,32 @@ class Calibration:
                   f"with the measured costs the planner would choose {self._points(best)}: predicted step"
                   f" {1e3 * best.makespan:.1f} ms against {1e3 * after.makespan:.1f} ms for this split"
                   f" ({100 * gain:.1f}% shorter)")
-        own = {part: ", ".join(f"{k} {1e3 * f['part_mean_s'][part]:.2f} ms" for k, f in fit.items()
-                               if part in f.get("part_mean_s", {}))
-               for part in ("pre", "post")}
-        timed = "; ".join(f"{name} {own[part]}" for part, name in
-                          (("pre", "first stage's own part"), ("post", "last stage's own part")) if own[part])
-        per_rank += (f" ({timed}, per microbatch)" if timed else
-                     " (the first and last stages' own parts not timed: divided as the FLOP model does)")
+        timed = "; ".join(f"{k} {1e3 * f['overhead_s']:.2f} ms per action, first stage's own part"
+                          f" {1e3 * f['pre_s']:.2f} ms, last stage's own part {1e3 * f['post_s']:.2f} ms"
+                          for k, f in fit.items() if "part_mean_s" in f)
+        per_rank += (f" (outside the blocks, timed at their boundaries: {timed}, per microbatch)" if timed else
+                     " (the parts outside the blocks not timed: each stage divided as the FLOP model does)")
+        if per_block := self._per_block():
+            per_rank += f"; a block took {per_block} (the costs price every rank's blocks alike)"
         return (f"pipeline costs of step {step}: {per_rank}. Bubble per pp rank measured "
                 f"{_bubbles(measured_bubble)}, predicted {_bubbles(_of(before))} before calibration,"
                 f" {_bubbles(_of(after))} after (a transfer between ranks fitted at {1e3 * send:.2f} ms);"
                 f" {choice}; measured costs written to {self.path}")
+
+    def _per_block(self) -> str:
+        """Each pipeline rank's mean seconds per block and microbatch by action kind, over the recorded steps
+        (the first stage's split backward, its W, counts as B)."""
+        total: dict[tuple[str, int], list[float]] = {}
+        for kind, stage, part, seconds in self.parts:
+            if part == "blocks" and self.counts[stage]:
+                kind = "B" if (kind, stage) == ("W", 0) else kind
+                acc = total.setdefault((kind, self.owner[stage]), [0.0, 0.0])
+                acc[0] += seconds
+                acc[1] += self.counts[stage]
+        ranks = range(self.program.num_ranks)
+        kinds = [f"{k} " + " / ".join(f"{1e3 * total[(k, r)][0] / total[(k, r)][1]:.2f}" for r in ranks) + " ms"
+                 for k in KINDS if all((k, r) in total for r in ranks)]
+        return f"{', '.join(kinds)} on pp rank {' / '.join(map(str, ranks))}" if kinds else ""
 
     def _points(self, p: Prediction) -> str:
         starts = [sum(p.counts[:i]) for i in range(1, len(p.counts))]

@@ -18,8 +18,8 @@ transfer costs latency + bytes / bandwidth (the activation of one microbatch).
 
 From a measured run (``fit_costs``, written by the pipeline timeline to ``pipeline_costs.json``,
 read back with ``pipeline_parallel_cost_file``): seconds per action kind fitted to the measured
-per-stage mean durations as overhead + seconds per block unit x block units + pre + post, with pre
-and post pinned by their own times where the timeline measured them at the block boundaries.
+per-stage mean durations as overhead + seconds per block unit x block units + pre + post, with the
+overhead, pre and post pinned by the times the timeline measured before and after each stage's blocks.
 """
 
 import json
@@ -137,18 +137,19 @@ def flop_costs(flops: list[tuple[float, float]], *, tokens: float, tp: int, reco
 def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str, int, float]],
               parts: list[tuple[str, int, str, float]] = ()) -> dict:
     """Seconds per action kind fitted to measured actions (kind, stage, seconds) of a run split into
-    stages of ``counts`` blocks: each kind's stage duration = overhead + per_unit x (the FLOP model's
-    units of its blocks) + pre (first stage) + post (last stage). Least squares on the per-stage
-    means (a step lasts the sum of its actions, so the mean, not the median, is what predicts it),
-    pulled weakly towards the FLOP model scaled to the measured total, which decides what the
-    measurements cannot (two stages cannot separate four numbers). The first stage's weight-gradient
+    stages of ``counts`` blocks: each kind's stage duration = lead overhead + tail overhead + per_unit x
+    (the FLOP model's units of its blocks) + pre (first stage) + post (last stage). Least squares on the
+    per-stage means (a step lasts the sum of its actions, so the mean, not the median, is what predicts
+    it), pulled weakly towards the FLOP model scaled to the measured total, which decides what the
+    measurements cannot (two stages cannot separate five numbers). The first stage's weight-gradient
     actions of a split backward are its whole backward (``PartCosts.stage_table``): they count as its
     B; its input-gradient actions compute nothing.
 
-    ``parts`` (kind, stage, "pre" or "post", seconds): what the first and last stages' actions spent in
-    their own parts, timed at the block boundaries (``profiling.timeline.part_seconds``). Each kind's
-    measured mean pins its pre or post like a stage's measurement, so the blocks are priced from what
-    is left: one run then separates a block from the embedding's gradient and the loss."""
+    ``parts`` (kind, stage, "lead" or "tail", seconds): what the actions spent before and after their
+    blocks, timed at the block boundaries (``profiling.timeline.part_seconds``). A stage's mean lead is
+    the lead overhead (plus pre on the first stage), its mean tail the tail overhead (plus post on the
+    last): each pins those unknowns like a stage's measurement, so one run separates a block from the
+    cost of every action around it, the embedding's gradient and the loss."""
     def fitted_kind(kind: str, stage: int) -> str | None:
         """The first stage's split backward: its W is its whole backward (B), its I computes nothing."""
         return {"I": None, "W": "B"}.get(kind, kind) if stage == 0 else kind
@@ -157,53 +158,56 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
     for kind, stage, seconds in actions:
         if (fitted := fitted_kind(kind, stage)) is not None:
             samples.setdefault((fitted, stage), []).append(seconds)
-    own: dict[tuple[str, str], list[float]] = {}
+    own: dict[tuple[str, str, int], list[float]] = {}
     for kind, stage, part, seconds in parts:
         if (fitted := fitted_kind(kind, stage)) is not None:
-            own.setdefault((fitted, part), []).append(seconds)
+            own.setdefault((fitted, part, stage), []).append(seconds)
     fit = {}
     last = len(counts) - 1
     starts = [1 + sum(counts[:s]) for s in range(len(counts))]
+    # unknowns: lead overhead, tail overhead, seconds per block unit, pre, post
     for kind in ("F", "I", "W", "B"):  # B last: a split backward measures it on the first stage alone
         stages = sorted(s for k, s in samples if k == kind)
         if not stages:
             continue
-        parts = model_costs.parts[kind]
+        units = model_costs.parts[kind]
         y = [statistics.fmean(samples[(kind, s)]) for s in stages]
-        rows = [[1.0, math.fsum(parts[starts[s]:starts[s] + counts[s]]), float(s == 0), float(s == last)]
+        rows = [[1.0, 1.0, math.fsum(units[starts[s]:starts[s] + counts[s]]), float(s == 0), float(s == last)]
                 for s in stages]
-        modelled = [r[1] + parts[0] * r[2] + parts[-1] * r[3] for r in rows]
+        modelled = [r[2] + units[0] * r[3] + units[-1] * r[4] for r in rows]
         sigma = sum(y) / sum(modelled)  # seconds per unit, over the whole measured step
-        prior = [0.0, sigma, sigma * parts[0], sigma * parts[-1]]
+        prior = [0.0, 0.0, sigma, sigma * units[0], sigma * units[-1]]
         if kind == "B" and "I" in fit and "W" in fit and 0 in stages:
             # A fused backward does what the input and weight gradients do, in one pass: their fitted sum
             # is what the measurements leave open. What the fused ones measured beyond it is the
             # embedding's gradient (the first stage's part no I or W measured); short of it, the fused
             # pass saves that share of the work.
             block_units = {k: math.fsum(model_costs.parts[k][1:-1]) for k in "IWB"}
-            both = [fit["I"]["overhead_s"] + fit["W"]["overhead_s"],
-                    (fit["I"]["per_unit_s"] * block_units["I"] + fit["W"]["per_unit_s"] * block_units["W"])
-                    / block_units["B"],
-                    fit["I"]["pre_s"] + fit["W"]["pre_s"], fit["I"]["post_s"] + fit["W"]["post_s"]]
-            predicted = [both[0] + both[1] * r[1] + both[2] * r[2] + both[3] * r[3] for r in rows]
+            i, w = fit["I"], fit["W"]
+            both = [i["lead_overhead_s"] + w["lead_overhead_s"], i["tail_overhead_s"] + w["tail_overhead_s"],
+                    (i["per_unit_s"] * block_units["I"] + w["per_unit_s"] * block_units["W"]) / block_units["B"],
+                    i["pre_s"] + w["pre_s"], i["post_s"] + w["post_s"]]
+            predicted = [math.fsum(v * x for v, x in zip(both, r, strict=True)) for r in rows]
             first = stages.index(0)
-            both[2] += max(y[first] - predicted[first], 0.0)
+            both[3] += max(y[first] - predicted[first], 0.0)
             predicted[first] = max(y[first], predicted[first])
             prior = [v * sum(y) / sum(predicted) for v in both]
         # Each prior row weighs like 1/100 of a stage measurement of a block's size: it settles only what
         # the measurements leave open.
-        size = [sigma, sigma, sigma * max(parts[0], 1.0), sigma * max(parts[-1], 1.0)]
-        a = [[v / sigma for v in r] for r in rows] + [[0.01 * sigma / size[j] * (i == j) for i in range(4)]
-                                                       for j in range(4)]
-        b = [v / sigma for v in y] + [0.01 * sigma / size[j] * prior[j] for j in range(4)]
-        timed = {}
-        for j, part in ((2, "pre"), (3, "post")):
-            if own.get((kind, part)):
-                timed[part] = statistics.fmean(own[(kind, part)])
-                a.append([float(i == j) / sigma for i in range(4)])
-                b.append(timed[part] / sigma)
-        overhead, per_unit, pre, post = _nonnegative_lstsq(a, b)
-        fit[kind] = {"overhead_s": overhead, "per_unit_s": per_unit, "pre_s": pre, "post_s": post,
+        size = [sigma, sigma, sigma, sigma * max(units[0], 1.0), sigma * max(units[-1], 1.0)]
+        a = [[v / sigma for v in r] for r in rows] + [[0.01 * sigma / size[j] * (i == j) for i in range(5)]
+                                                       for j in range(5)]
+        b = [v / sigma for v in y] + [0.01 * sigma / size[j] * prior[j] for j in range(5)]
+        timed: dict[str, dict[str, float]] = {}
+        for part, overhead, own_part, own_stage in (("lead", 0, 3, 0), ("tail", 1, 4, last)):
+            for s in stages:
+                if own.get((kind, part, s)):
+                    mean = timed.setdefault(part, {})[str(s)] = statistics.fmean(own[(kind, part, s)])
+                    a.append([float(j == overhead or (j == own_part and s == own_stage)) / sigma for j in range(5)])
+                    b.append(mean / sigma)
+        lead, tail, per_unit, pre, post = _nonnegative_lstsq(a, b)
+        fit[kind] = {"overhead_s": lead + tail, "lead_overhead_s": lead, "tail_overhead_s": tail,
+                     "per_unit_s": per_unit, "pre_s": pre, "post_s": post,
                      "stage_mean_s": dict(zip(map(str, stages), y, strict=True))}
         if timed:
             fit[kind]["part_mean_s"] = timed
@@ -221,7 +225,7 @@ def _nonnegative_lstsq(a: list[list[float]], b: list[float]) -> list[float]:
         if not negative:
             out = [0.0] * len(a[0])
             for j, v in zip(free, x, strict=True):
-                out[j] = v
+                out[j] = v + 0.0  # no -0.0
             return out
         free = [j for j in free if j not in negative]
 

@@ -11,13 +11,16 @@ or chrome://tracing: one row per rank) and logs the measured bubble of each pipe
 share of the step's pipeline span (first action start to last action end, over all ranks) in
 which that rank ran no action. Waiting for point-to-point transfers shows as gaps.
 
-Given the chunks' block container (``attach(..., layers_attr=...)``), the first and last stages' actions
-also record how long their own part outside the blocks took: the first stage's forward until its first
-block starts and its backward after the gradient reaches that block's input (the embedding), the last
-stage's forward after its last block ends (output projection and loss) and its backward until the
-gradient reaches that block's output. The calibration prices those parts from these times instead of
-dividing the stage's time by the FLOP model (which prices the embedding's gradient and the loss at
-nothing).
+Given the chunks' block container (``attach(..., layers_attr=...)``), every stage's actions also record
+when each of their blocks begins and ends: a forward's lead runs until its first block starts and its
+tail after its last block ends; a backward's tail runs until the gradient reaches its last block's
+output, each block's backward until the gradient reaches its input, and its lead after that of the
+first block. On the first stage the lead holds the embedding, on the last the tail holds the output
+projection and the loss; elsewhere they are what every action costs besides its blocks (receiving,
+sending, the schedule's bookkeeping). The trace carries each action's lead, tail and block times; the
+calibration prices the blocks, that per-action cost and the two own parts each from its own times
+instead of dividing a stage's time by the FLOP model (which prices the embedding's gradient, the loss
+and the per-action cost at nothing), and reports each pipeline rank's time per block.
 """
 
 import json
@@ -50,14 +53,15 @@ class PipelineTimeline:
         self.program, self.sync = program, sync
         self.events: list[dict] | None = None  # recording when not None
         self.current: dict | None = None  # the action running now, in recorded steps
+        self.block_counts: dict[int, int] = {}  # stage index -> blocks whose boundaries it marks
 
     def attach(self, stages, layers_attr: str | None = None, *, compiled: bool = False) -> None:
         """Wrap each stage's compute methods (on the instances: other stages are untouched). With
-        ``layers_attr``, the first and last stages' blocks also mark where their own parts end, unless the
-        blocks are ``compiled`` (their hooks would run inside the compiled code, where clocks are not read)."""
+        ``layers_attr``, each stage's first and last blocks also mark where its blocks begin and end, unless
+        the blocks are ``compiled`` (their hooks would run inside the compiled code, where clocks are not read)."""
         if layers_attr is not None and compiled:
-            logger.info("pipeline timeline: the blocks are compiled, so the first and last stages' own parts are"
-                        " not timed (the calibration divides those stages as the FLOP model does)")
+            logger.info("pipeline timeline: the blocks are compiled, so the stages' parts outside their blocks are"
+                        " not timed (the calibration divides each stage's time as the FLOP model does)")
             layers_attr = None
         for stage in stages:
             for name in _METHODS:
@@ -66,39 +70,44 @@ class PipelineTimeline:
                 from trainer.models.registry import model_blocks
 
                 blocks = list(model_blocks(stage.submod, layers_attr).values())
-                if blocks and stage.is_first:
-                    blocks[0].register_forward_pre_hook(self._first_block_starts)
-                if blocks and stage.is_last:
-                    blocks[-1].register_forward_hook(self._last_block_ends)
+                for i, block in enumerate(blocks):
+                    block.register_forward_pre_hook(self._block_starts(i))
+                if blocks:
+                    blocks[-1].register_forward_hook(self._last_block_ends(len(blocks)))
+                    self.block_counts[stage.stage_index] = len(blocks)
 
-    def _mark(self, part: str) -> None:
-        """The running action's first crossing of ``part``'s boundary (later ones: a recomputation, or the
-        weight-gradient pass walking the graph again)."""
-        if self.current is not None and part not in self.current:
+    def _mark(self, boundary: int) -> None:
+        """The running action's first crossing of block ``boundary`` (0: before the first block, n: after the
+        last; later crossings: a recomputation, or the weight-gradient pass walking the graph again)."""
+        if self.current is not None and boundary not in self.current["bounds"]:
             if self.sync:
                 torch.cuda.synchronize()
-            self.current[part] = time.time_ns()
+            self.current["bounds"][boundary] = time.time_ns()
 
-    def _first_block_starts(self, module, args) -> None:
-        if self.current is None or self.current["kind"] != "F":
-            return
-        self._mark("pre")
-        # the hidden state: the first input that carries a gradient (a traced block takes the rotary
-        # table first)
-        hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-        if hidden is not None:
-            hidden.register_hook(self._gradient_reaches("pre"))
+    def _block_starts(self, index: int):
+        def hook(module, args) -> None:
+            if self.current is None or self.current["kind"] != "F":
+                return
+            self._mark(index)
+            # the hidden state: the first input that carries a gradient (a traced block takes the rotary
+            # table first); its gradient is ready when the backward has passed this block
+            hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+            if hidden is not None:
+                hidden.register_hook(self._gradient_reaches(index))
+        return hook
 
-    def _last_block_ends(self, module, args, output) -> None:
-        if self.current is None or self.current["kind"] != "F":
-            return
-        self._mark("post")
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(self._gradient_reaches("post"))
+    def _last_block_ends(self, count: int):
+        def hook(module, args, output) -> None:
+            if self.current is None or self.current["kind"] != "F":
+                return
+            self._mark(count)
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(self._gradient_reaches(count))
+        return hook
 
-    def _gradient_reaches(self, part: str):
+    def _gradient_reaches(self, boundary: int):
         def hook(grad):
-            self._mark(part)
+            self._mark(boundary)
         return hook
 
     def timed_loss(self, loss_fn):
@@ -127,7 +136,8 @@ class PipelineTimeline:
             mb = args[0] if args else kwargs.get("fwd_chunk_id", kwargs.get("bwd_chunk_id"))
             if self.sync:
                 torch.cuda.synchronize()
-            self.current = event = {"kind": kind, "stage": stage.stage_index, "mb": int(mb), "start_ns": time.time_ns()}
+            self.current = event = {"kind": kind, "stage": stage.stage_index, "mb": int(mb), "bounds": {},
+                                    "blocks": self.block_counts.get(stage.stage_index, 0), "start_ns": time.time_ns()}
             try:
                 return method(*args, **kwargs)
             finally:
@@ -190,7 +200,7 @@ class PipelineTimeline:
                 first.setdefault(r["pp_rank"], r)
             own = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9)
                    for r in first.values() for e in r["events"]]
-            parts = [(e["kind"], e["stage"], part, seconds)
+            parts = [(e["kind"], e["stage"], part, sum(seconds) if part == "blocks" else seconds)
                      for r in first.values() for e in r["events"] for part, seconds in part_seconds(e).items()]
             try:
                 logger.info("%s", self.calibration.add(step, own, bubbles, trace["otherData"]["span_us"] / 1e6,
@@ -200,17 +210,25 @@ class PipelineTimeline:
         return bubbles
 
 
-def part_seconds(event: dict) -> dict[str, float]:
-    """Seconds of an action spent in the first stage's own part ("pre") and the last stage's ("post"),
-    from the marks its blocks left (``PipelineTimeline.attach``): a forward's pre runs before the first
-    block and its post after the last; a backward runs the post first and the pre last. The last
-    stage's weight gradient is not divided (its output projection and blocks run in one pass)."""
+def part_seconds(event: dict) -> dict:
+    """Where an action's time went, from the marks its blocks left (``PipelineTimeline.attach``): "lead"
+    (seconds before its first block: a forward's start, a backward's end), "tail" (after its last block:
+    a forward's end, a backward's start) and "blocks" (each block's seconds, in the stage's order); a
+    backward runs the tail first and the lead last. A weight gradient is not divided (its blocks and
+    the parts around them run in one pass), except the first stage's, which is that stage's whole
+    backward (torch's split backward). Parts whose marks are missing are left out."""
+    n = event.get("blocks", 0)
+    bounds = {int(i): t for i, t in event.get("bounds", {}).items()}  # JSON keys are strings
+    if not n or (event["kind"] == "W" and event["stage"] != 0):
+        return {}
     out, start, end = {}, event["start_ns"], event["end_ns"]
     forward = event["kind"] == "F"
-    if "pre" in event:
-        out["pre"] = ((event["pre"] - start) if forward else (end - event["pre"])) / 1e9
-    if "post" in event and event["kind"] != "W":
-        out["post"] = ((end - event["post"]) if forward else (event["post"] - start)) / 1e9
+    if 0 in bounds:
+        out["lead"] = ((bounds[0] - start) if forward else (end - bounds[0])) / 1e9
+    if n in bounds:
+        out["tail"] = ((end - bounds[n]) if forward else (bounds[n] - start)) / 1e9
+    if all(i in bounds for i in range(n + 1)):
+        out["blocks"] = [abs(bounds[i + 1] - bounds[i]) / 1e9 for i in range(n)]
     return out
 
 
@@ -227,7 +245,9 @@ def merge_timeline(ranks: list[dict], step: int) -> tuple[dict, dict[int, float]
         for e in sorted(r["events"], key=lambda e: e["start_ns"]):
             events.append({"name": f"{e['stage']}{e['kind']}{e['mb']}", "cat": e["kind"], "ph": "X", "pid": r["rank"],
                            "tid": 0, "ts": (e["start_ns"] - t0) / 1e3, "dur": (e["end_ns"] - e["start_ns"]) / 1e3,
-                           "args": {"stage": e["stage"], "microbatch": e["mb"], "action": e["kind"]}})
+                           "args": {"stage": e["stage"], "microbatch": e["mb"], "action": e["kind"],
+                                    **{f"{part}_ms": (seconds * 1e3 if part != "blocks" else [x * 1e3 for x in seconds])
+                                       for part, seconds in part_seconds(e).items()}}})
         # ranks of one pipeline rank (TP/FSDP peers) run the same actions: the first one stands for them
         busy.setdefault(r["pp_rank"], sum(e["end_ns"] - e["start_ns"] for e in r["events"]))
     bubbles = {p: 1 - b / span for p, b in busy.items()}
