@@ -8,15 +8,18 @@ projection costs about ten blocks) and schedule (1F1B, Interleaved1F1B, ZBVZeroB
 DualPipeV at pp 2), one torchrun launch trains every contiguous split the schedule allows (where
 there are more than --max-splits, the best 10 by the planner's prediction plus 10 random ones),
 each for --steps steps with the pipeline timeline on the steps after --warmup, after a discarded
-warm-up case, in --repeats passes (the later ones in seeded shuffled orders; a split's figures are
-the medians over its cases of each case's median over its timed steps). The planner's own split
-runs first; its timeline's measured costs
-(pipeline_costs.json) calibrate the predictions of every other split; it runs again as the last
-case, so that the two measurements of one split show this machine's noise over the launch. Reported
+warm-up case, in --repeats passes, each in a seeded shuffled order, with the planner's own split
+after every case (a split's figures are the medians over its cases of each case's median over its
+timed steps). The planner's split also runs first; its timeline's measured costs
+(pipeline_costs.json) calibrate the predictions of every other split. This machine's speed drifts
+over a launch (the 32k-vocabulary output part ran 30% faster for ten minutes of one launch while
+the blocks kept their pace), so each case is also compared with the planner's runs on either side
+of it: its step over their mean ("paired"), the median over its cases. The planner's first and
+last cases show that noise on one split. Reported
 per model and schedule: the best measured split against the planner's (the planner's step / the best
-step), the old stage-balanced split (split_mode flops) against the planner's, and the predicted
-bubble per rank against the measured one before and after calibration (mean and worst absolute
-difference in points over the splits measured; "after" also as the calibration would be with no
+step; and the lowest paired ratio), the old stage-balanced split (split_mode flops) against the
+planner's, and the predicted bubble per rank against the measured one before and after calibration
+(mean and worst absolute difference in points over the splits measured; "after" also as the calibration would be with no
 block boundaries timed and with only the first stage's lead and the last stage's tail, fitted again
 from the same recorded actions), and how far the planner's split's measured bubble moved between its
 first and last case (this machine's noise, the floor under those errors). A second table: a block's
@@ -125,20 +128,16 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         chosen = ranked[:10] + rest[:10]
     else:
         chosen = every
-    # The planner's split runs first and again last: how far apart the two are is the noise of this
-    # machine over the launch, the yardstick for every other difference in the group.
+    # The planner's split runs first (its timeline calibrates the predictions) and again after every other
+    # case, the others in a fresh seeded order each pass: this machine's speed drifts over a launch (in
+    # one launch the 32k-vocabulary output part ran 30% faster for ten minutes while the blocks kept
+    # their pace), so each case is also compared with the planner's runs on either side of it.
     others = [c for c in dict.fromkeys([old.pipeline.counts, *chosen]) if c != p.counts]
-    order = [p.counts] + others
-    # Later passes in a fresh seeded order each: this machine's speed drifts over a launch (the same
-    # split's identical work took 21-28% less time in one stretch of minutes than in another), and
-    # passes reversed then forward run the splits near each turn twice within a few cases.
+    order = [p.counts]
     rng = random.Random(1)
-    for _ in range(1, args.repeats):
-        shuffled = rng.sample(others, len(others))
-        while len(others) > 1 and shuffled[0] == order[-1]:
-            shuffled = rng.sample(others, len(others))
-        order += shuffled
-    order.append(p.counts)
+    for _ in range(args.repeats):
+        for counts in rng.sample(others, len(others)):
+            order += [counts, p.counts]
     timed = list(range(args.warmup + 1, args.steps + 1))
     cases = []
     for i, counts in enumerate(order):
@@ -215,13 +214,23 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      "busy": [statistics.median(b[r] for b in [measured_busy(Path(c["dump"]), timed) for c in runs])
                               for r in range(2)],
                      "busy_predicted": list(csim.predict(counts).busy)})
-    first, again = (statistics.median(json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:])
-                    for c in (cases[0], cases[-1]))
-    # the same split measured twice: how far its bubbles move is this machine's noise, the floor under
-    # any prediction's error
+    case_step = [statistics.median(json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:])
+                 for c in cases]
+    first, again = case_step[0], case_step[-1]
+    # the same split measured at the launch's start and end: how far its bubbles move is this machine's
+    # noise, the floor under any prediction's error
     first_bubbles, again_bubbles = (measured_bubbles([Path(c["dump"])], timed) for c in (cases[0], cases[-1]))
     noise = max(abs(a - b) * 100 for a, b in zip(first_bubbles, again_bubbles))
+    # each split's step over the planner's on either side of it, the median over its cases (below 1: faster)
+    paired: dict[tuple[int, ...], list[float]] = {}
+    for i in range(1, len(cases) - 1):
+        if tuple(cases[i]["counts"]) != p.counts:
+            paired.setdefault(tuple(cases[i]["counts"]), []).append(
+                case_step[i] / ((case_step[i - 1] + case_step[i + 1]) / 2))
+    for row in rows:
+        row["paired"] = statistics.median(paired[row["counts"]]) if row["counts"] in paired else 1.0
     best = min(rows, key=lambda r: r["step"])
+    best_paired = min(rows, key=lambda r: r["paired"])
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)]
            for k in ("before", "after", "after_whole_stages", "after_ends_only")}
@@ -230,7 +239,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "planner": points(planner["counts"]), "planner_step": planner["step"], "planner_first_step": first,
             "planner_again_step": again,
             "best": points(best["counts"]), "best_step": best["step"],
-            "flops": points(flops["counts"]), "flops_step": flops["step"],
+            "best_paired": points(best_paired["counts"]), "best_paired_ratio": best_paired["paired"],
+            "flops": points(flops["counts"]), "flops_step": flops["step"], "flops_paired_ratio": flops["paired"],
             "calibrated_pick": points(calibrated_pick["counts"]), "calibrated_pick_step": calibrated_pick["step"],
             "bubble_err_before": (statistics.mean(err["before"]), max(err["before"])),
             "bubble_err_after": (statistics.mean(err["after"]), max(err["after"])), "bubble_noise": noise,
@@ -277,9 +287,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--max-splits", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="passes over the splits in one launch (later ones shuffled); each split's"
-                             " figures are the medians over its passes")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="passes over the splits in one launch, each in a seeded shuffled order with the"
+                             " planner's split after every case; each split's figures are the medians over its"
+                             " passes")
     parser.add_argument("--json", type=Path, help="also write every row here")
     parser.add_argument("--reuse", action="store_true",
                         help="with --keep: report from the cases a previous run kept there instead of running them")
@@ -289,11 +300,11 @@ def main() -> None:
         parser.error("--reuse reports from the cases kept by an earlier --keep run: name that folder with --keep")
     results = []
     print("| model | schedule | splits (measured) | planner's split: step | same split: first / last case"
-          " | best measured split: step | planner/best"
-          " | old flops split: step | old/planner | calibrated pick: step | bubble error before calibration, mean/worst"
-          " (points) | after | after, no boundaries timed | after, only the first and last stages' own parts"
-          " | same split twice: bubble moved (points) |")
-    print("|---|---|---|---|---|---|---:|---|---:|---|---|---|---|---|---:|")
+          " | best measured split: step | planner/best | best paired: step over the planner's on either side"
+          " | old flops split: step | old/planner | paired | calibrated pick: step"
+          " | bubble error before calibration, mean/worst (points) | after | after, no boundaries timed"
+          " | after, only the first and last stages' own parts | same split twice: bubble moved (points) |")
+    print("|---|---|---|---|---|---|---:|---|---|---:|---:|---|---|---|---|---|---:|")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -306,7 +317,9 @@ def main() -> None:
                       f" | {r['planner_first_step']:.3f} / {r['planner_again_step']:.3f} s"
                       f" | {r['best']}: {r['best_step']:.3f} s"
                       f" | {r['planner_step'] / r['best_step']:.3f}"
+                      f" | {r['best_paired']}: {r['best_paired_ratio']:.3f}"
                       f" | {r['flops']}: {r['flops_step']:.3f} s | {r['flops_step'] / r['planner_step']:.3f}"
+                      f" | {r['flops_paired_ratio']:.3f}"
                       f" | {r['calibrated_pick']}: {r['calibrated_pick_step']:.3f} s"
                       f" | {r['bubble_err_before'][0]:.1f} / {r['bubble_err_before'][1]:.1f}"
                       f" | {r['bubble_err_after'][0]:.1f} / {r['bubble_err_after'][1]:.1f}"
