@@ -22,7 +22,8 @@ planner's, and the predicted bubble per rank against the measured one before and
 (mean and worst absolute difference in points over the splits measured; "after" also as the calibration would be with no
 block boundaries timed and with only the first stage's lead and the last stage's tail, fitted again
 from the same recorded actions), and how far the planner's split's measured bubble moved between its
-first and last case (this machine's noise, the floor under those errors). A second table: a block's
+first and last case (this machine's noise, the floor under those errors), and how far each split's
+paired ratio is from the calibrated prediction of its step over the planner's. A second table: a block's
 measured time on ranks that waited much against ranks that hardly waited. With --json, each split's
 row also holds each rank's busy time per step, measured and as the calibrated costs predict it, and
 its time per block.
@@ -231,6 +232,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         row["paired"] = statistics.median(paired[row["counts"]]) if row["counts"] in paired else 1.0
     best = min(rows, key=lambda r: r["step"])
     best_paired = min(rows, key=lambda r: r["paired"])
+    # how well the calibrated costs predict each split's step relative to the planner's: against the paired
+    # ratio, which this machine's drift over the launch moves least
+    ratio_err = [abs(r["predicted_s"] / rows[0]["predicted_s"] - r["paired"]) * 100 for r in rows[1:]]
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)]
            for k in ("before", "after", "after_whole_stages", "after_ends_only")}
@@ -248,6 +252,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                                               max(err["after_whole_stages"])),
             "bubble_err_after_ends_only": (statistics.mean(err["after_ends_only"]), max(err["after_ends_only"])),
             "slower_when_waiting": slower_when_waiting(rows),
+            "paired_vs_predicted": (statistics.mean(ratio_err), max(ratio_err)) if ratio_err else (0.0, 0.0),
             "rows": rows}
 
 
@@ -303,8 +308,9 @@ def main() -> None:
           " | best measured split: step | planner/best | best paired: step over the planner's on either side"
           " | old flops split: step | old/planner | paired | calibrated pick: step"
           " | bubble error before calibration, mean/worst (points) | after | after, no boundaries timed"
-          " | after, only the first and last stages' own parts | same split twice: bubble moved (points) |")
-    print("|---|---|---|---|---|---|---:|---|---|---:|---:|---|---|---|---|---|---:|")
+          " | after, only the first and last stages' own parts | same split twice: bubble moved (points)"
+          " | paired ratio against the calibrated prediction's, mean/worst (%) |")
+    print("|---|---|---|---|---|---|---:|---|---|---:|---:|---|---|---|---|---|---:|---|")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -325,7 +331,8 @@ def main() -> None:
                       f" | {r['bubble_err_after'][0]:.1f} / {r['bubble_err_after'][1]:.1f}"
                       f" | {r['bubble_err_after_whole_stages'][0]:.1f} / {r['bubble_err_after_whole_stages'][1]:.1f}"
                       f" | {r['bubble_err_after_ends_only'][0]:.1f} / {r['bubble_err_after_ends_only'][1]:.1f}"
-                      f" | {r['bubble_noise']:.1f} |", flush=True)
+                      f" | {r['bubble_noise']:.1f}"
+                      f" | {r['paired_vs_predicted'][0]:.1f} / {r['paired_vs_predicted'][1]:.1f} |", flush=True)
     print("\nA block's time on the ranks that waited (measured bubble 40% or more) against those that hardly did"
           " (under 15%), over every split and rank (ms per block and microbatch, medians; how many rank-splits):\n")
     print("| model | schedule | forward: busy / waiting (ratio) | backward: busy / waiting (ratio) |")

@@ -4,6 +4,7 @@ prediction, calibration from measured action times and the cost file."""
 import itertools
 import json
 import random
+import re
 
 import pytest
 
@@ -259,9 +260,12 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     parts = parts * 8 + [("W", 0, "blocks", 8e-3 * counts[0])]
     text = calibration.add(5, actions, {0: 0.1, 1: 0.2}, 0.5, parts)
     assert "Bubble per pp rank measured 10.0%/20.0%" in text and str(tmp_path / "pipeline_costs.json") in text
+    # what the boundaries timed: no first-stage I (it computes nothing), the fused backward B on the first
+    # stage alone (its 1 ms lead divided between the per-action cost and the embedding by the weak prior)
     assert ("(outside the blocks, timed at their boundaries: F 1.00 ms per action, first stage's own part 0.00 ms,"
-            " last stage's own part 3.00 ms; I 0.50 ms per action, first stage's own part 0.00 ms, last stage's"
-            " own part 2.00 ms; ") in text
+            " last stage's own part 3.00 ms; I 0.50 ms per action, last stage's own part 2.00 ms; B ") in text
+    fused = re.search(r"; B ([\d.]+) ms per action, first stage's own part ([\d.]+) ms, per microbatch\); ", text)
+    assert fused and float(fused[1]) + float(fused[2]) == pytest.approx(1.0, abs=0.011)
     # the fused backward ran on pp rank 0 only: no B figure to compare
     assert "; a block took F 4.00 / 4.00 ms, I 5.00 / 5.00 ms on pp rank 0 / 1 (the costs price" in text
     untimed = build_calibration(plan, torch.device("cpu"), tmp_path / "untimed", program).add(5, actions, {}, 0.5)

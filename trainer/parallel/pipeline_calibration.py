@@ -72,9 +72,18 @@ class Calibration:
                   f"with the measured costs the planner would choose {self._points(best)}: predicted step"
                   f" {1e3 * best.makespan:.1f} ms against {1e3 * after.makespan:.1f} ms for this split"
                   f" ({100 * gain:.1f}% shorter)")
-        timed = "; ".join(f"{k} {1e3 * f['overhead_s']:.2f} ms per action, first stage's own part"
-                          f" {1e3 * f['pre_s']:.2f} ms, last stage's own part {1e3 * f['post_s']:.2f} ms"
-                          for k, f in fit.items() if "part_mean_s" in f)
+        last = str(len(self.counts) - 1)
+
+        def timed_parts(f: dict) -> str:
+            """The per-action cost and the own parts whose stage was timed (not those the fit inferred)."""
+            out = [f"{1e3 * f['overhead_s']:.2f} ms per action"]
+            if "0" in f["part_mean_s"].get("lead", {}):
+                out.append(f"first stage's own part {1e3 * f['pre_s']:.2f} ms")
+            if last in f["part_mean_s"].get("tail", {}):
+                out.append(f"last stage's own part {1e3 * f['post_s']:.2f} ms")
+            return ", ".join(out)
+
+        timed = "; ".join(f"{k} {timed_parts(f)}" for k, f in fit.items() if "part_mean_s" in f)
         per_rank += (f" (outside the blocks, timed at their boundaries: {timed}, per microbatch)" if timed else
                      " (the parts outside the blocks not timed: each stage divided as the FLOP model does)")
         if per_block := self._per_block():
