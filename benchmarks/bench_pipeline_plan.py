@@ -160,12 +160,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                                str(worker), str(spec)], cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
-    cost_file = Path(cases[0]["dump"]) / "profile_traces" / "pipeline_costs.json"
-    calibrated = load(base + ["--parallelism.pipeline_parallel_cost_file", str(cost_file)])
     program = program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank)
-    csim = Simulator(calibrated.pipeline_costs, program)
-    # The same calibration as it would be with fewer boundaries timed, fitted again from the planner's
-    # first case's recorded actions: none (each stage divided as the FLOP model does), and only the first
+    # The calibration from the planner's first case's recorded actions, and as it would be with fewer
+    # boundaries timed: none (each stage divided as the FLOP model does), and only the first
     # stage's lead and the last stage's tail (the embedding and the output with the per-action cost in
     # them: what the previous version timed).
     last = p.num_stages - 1
@@ -185,6 +182,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         return Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
                                       str(folder / "pipeline_costs.json")]).pipeline_costs, program)
 
+    # the calibration the run wrote (pipeline_costs.json), fitted again by this code from the same steps,
+    # so that --reuse reports the current fit
+    csim = refit("all_boundaries", lambda stage, part: True)
     wsim = refit("whole_stages", lambda stage, part: False)
     esim = refit("ends_only", lambda stage, part: (stage, part) in ((0, "lead"), (last, "tail")))
     # Each split's step and bubbles over its cases (the planner's: its first case, which the calibration

@@ -199,12 +199,16 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
                                                        for j in range(5)]
         b = [v / sigma for v in y] + [0.01 * sigma / size[j] * prior[j] for j in range(5)]
         timed: dict[str, dict[str, float]] = {}
+        # A timed lead or tail weighs like ten stage measurements: it measures its unknowns directly, while a
+        # stage's duration also holds its blocks, whose pace differs between ranks in ways the costs do not
+        # model (a rank that waits much runs its blocks slower on a shared CPU): that difference goes to
+        # the price of a block, not into the parts around it.
         for part, overhead, own_part, own_stage in (("lead", 0, 3, 0), ("tail", 1, 4, last)):
             for s in stages:
                 if own.get((kind, part, s)):
                     mean = timed.setdefault(part, {})[str(s)] = statistics.fmean(own[(kind, part, s)])
-                    a.append([float(j == overhead or (j == own_part and s == own_stage)) / sigma for j in range(5)])
-                    b.append(mean / sigma)
+                    a.append([10.0 * (j == overhead or (j == own_part and s == own_stage)) / sigma for j in range(5)])
+                    b.append(10.0 * mean / sigma)
         lead, tail, per_unit, pre, post = _nonnegative_lstsq(a, b)
         fit[kind] = {"overhead_s": lead + tail, "lead_overhead_s": lead, "tail_overhead_s": tail,
                      "per_unit_s": per_unit, "pre_s": pre, "post_s": post,
