@@ -57,8 +57,8 @@ class PipelineTimeline:
 
     def attach(self, stages, layers_attr: str | None = None, *, compiled: bool = False) -> None:
         """Wrap each stage's compute methods (on the instances: other stages are untouched). With
-        ``layers_attr``, each stage's first and last blocks also mark where its blocks begin and end, unless
-        the blocks are ``compiled`` (their hooks would run inside the compiled code, where clocks are not read)."""
+        ``layers_attr``, each stage's blocks also mark where each of them begins and the last ends, unless the
+        blocks are ``compiled`` (their hooks would run inside the compiled code, where clocks are not read)."""
         if layers_attr is not None and compiled:
             logger.info("pipeline timeline: the blocks are compiled, so the stages' parts outside their blocks are"
                         " not timed (the calibration divides each stage's time as the FLOP model does)")
