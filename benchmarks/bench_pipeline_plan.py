@@ -173,11 +173,10 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         for step in timed:
             trace = json.loads((Path(cases[0]["dump"]) / "profile_traces" / f"pipeline_timeline_step{step}.json")
                                .read_text())
-            events = [e["args"] for e in trace["traceEvents"] if e["ph"] == "X"]
-            actions = [(e["action"], e["stage"], d["dur"] / 1e6) for e, d in zip(
-                events, (e for e in trace["traceEvents"] if e["ph"] == "X"), strict=True)]
-            parts = [(e["action"], e["stage"], part, e[f"{part}_ms"] / 1e3) for e in events
-                     for part in ("lead", "tail") if f"{part}_ms" in e and keep(e["stage"], part)]
+            events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+            actions = [(e["args"]["action"], e["args"]["stage"], e["dur"] / 1e6) for e in events]
+            parts = [(a["action"], a["stage"], part, a[f"{part}_ms"] / 1e3) for a in (e["args"] for e in events)
+                     for part in ("lead", "tail") if f"{part}_ms" in a and keep(a["stage"], part)]
             calibration.add(step, actions, {}, trace["otherData"]["span_us"] / 1e6, parts)
         return Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
                                       str(folder / "pipeline_costs.json")]).pipeline_costs, program)

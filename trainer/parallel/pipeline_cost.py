@@ -148,7 +148,7 @@ def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str
     ``parts`` (kind, stage, "lead" or "tail", seconds): what the actions spent before and after their
     blocks, timed at the block boundaries (``profiling.timeline.part_seconds``). A stage's mean lead is
     the lead overhead (plus pre on the first stage), its mean tail the tail overhead (plus post on the
-    last): each pins those unknowns like a stage's measurement, so one run separates a block from the
+    last): each pins those unknowns like ten stage measurements, so one run separates a block from the
     cost of every action around it, the embedding's gradient and the loss."""
     def fitted_kind(kind: str, stage: int) -> str | None:
         """The first stage's split backward: its W is its whole backward (B), its I computes nothing."""
