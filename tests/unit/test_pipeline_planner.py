@@ -212,6 +212,24 @@ def test_timed_block_boundaries_let_one_two_stage_run_price_every_split():
         assert far[KINDS.index("F")][0] != pytest.approx(known.stage_table((1, 5))[KINDS.index("F")][0], rel=missed_by)
 
 
+def test_timed_boundaries_keep_their_measured_values_when_the_stages_blocks_run_at_different_paces():
+    """Stage 1's blocks run 10% slower than stage 0's (as a waiting rank's do on a shared CPU): durations and
+    boundaries then disagree, and the fit keeps the directly timed per-action cost, pre and post (within 2%
+    of what was timed) and puts the difference into a block's price, between the two stages' paces."""
+    units = flop_costs([(0.0, 0.0)] + [(3.0, 1.0)] * 6 + [(5.0, 0.0)], tokens=1, tp=1, recompute=[False] * 6,
+                       flops_per_second=None, send_bytes=0, link_bytes_per_second=1, link_latency=0)
+    lead, tail, block, pre, post = 0.0012, 0.0039, 0.010, 0.006, 0.055  # seconds; block: stage 0's pace
+    y = [lead + tail + 3 * block + pre, lead + tail + 3 * 1.1 * block + post]
+    actions = [("B", s, y[s]) for s in (0, 1) for _ in range(4)]
+    timed = [("B", 0, "lead", lead + pre), ("B", 1, "lead", lead),
+             ("B", 0, "tail", tail), ("B", 1, "tail", tail + post)]
+    fit = fit_costs(units, [3, 3], actions, timed)["B"]
+    got = [fit["lead_overhead_s"], fit["tail_overhead_s"], fit["pre_s"], fit["post_s"]]
+    assert got == pytest.approx([lead, tail, pre, post], rel=0.02)
+    per_block = fit["per_unit_s"] * units.parts["B"][1]
+    assert block < per_block < 1.1 * block
+
+
 def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
     bad = tmp_path / "costs.json"
     bad.write_text("{not json")
