@@ -23,7 +23,9 @@ planner's, and the predicted bubble per rank against the measured one before and
 block boundaries timed and with only the first stage's lead and the last stage's tail, fitted again
 from the same recorded actions), and how far the planner's split's measured bubble moved between its
 first and last case (this machine's noise, the floor under those errors), and how far each split's
-paired ratio is from the calibrated prediction of its step over the planner's. A second table: a block's
+paired ratio is from the calibrated prediction of its step over the planner's. A second table: the bubble's
+error with the costs of each part timed in one process (``python -m trainer.measure_costs``, run before each
+launch) and the split those costs choose. A third table: a block's
 measured time on ranks that waited much against ranks that hardly waited. With --json, each split's
 row also holds each rank's busy time per step, measured and as the calibrated costs predict it, and
 its time per block.
@@ -155,6 +157,14 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     worker = tmp / "worker.py"
     worker.write_text(WORKER.format(repo=str(REPO)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # each part timed in one process (python -m trainer.measure_costs), right before the launch: the costs a
+    # user gets without running the pipeline
+    one_device = tmp / f"{model}_{schedule}_one_device.json"
+    if not (args.reuse and one_device.exists()):
+        proc = subprocess.run([sys.executable, "-m", "trainer.measure_costs", *base, "--device", "cpu", "--steps", "20",
+                               "--out", str(one_device)], cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr[-3000:])
     if not (args.reuse and all(Path(c["out"]).exists() for c in cases)):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                str(worker), str(spec)], cwd=REPO, env=env, capture_output=True, text=True)
@@ -186,6 +196,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     csim = refit("all_boundaries", lambda stage, part: True)
     wsim = refit("whole_stages", lambda stage, part: False)
     esim = refit("ends_only", lambda stage, part: (stage, part) in ((0, "lead"), (last, "tail")))
+    osim = Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file", str(one_device)]).pipeline_costs,
+                     program)
     # Each split's step and bubbles over its cases (the planner's: its first case, which the calibration
     # measured, and its last)
     by_split: dict[tuple[int, ...], list[dict]] = {}
@@ -204,6 +216,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
                      "after_whole_stages": predicted_bubbles(wsim, counts),
                      "after_ends_only": predicted_bubbles(esim, counts),
+                     "one_device": predicted_bubbles(osim, counts), "one_device_s": osim.predict(counts).makespan,
                      # each rank's mean seconds per block and microbatch, forward and backward (B or I),
                      # the median over the split's cases
                      "block_s": {k: [statistics.median(b[k][r] for b in [per_block(Path(c["dump"]), timed)
@@ -236,8 +249,10 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     ratio_err = [abs(r["predicted_s"] / rows[0]["predicted_s"] - r["paired"]) * 100 for r in rows[1:]]
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)]
-           for k in ("before", "after", "after_whole_stages", "after_ends_only")}
+           for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device")}
     calibrated_pick = min(rows, key=lambda r: r["predicted_s"])
+    # the split the planner picks with the one-device costs (of those measured here), and its paired ratio
+    one_device_pick = min(rows, key=lambda r: r["one_device_s"])
     return {"model": model, "schedule": schedule, "splits": len(every), "measured": len(rows),
             "planner": points(planner["counts"]), "planner_step": planner["step"], "planner_first_step": first,
             "planner_again_step": again,
@@ -250,6 +265,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "bubble_err_after_whole_stages": (statistics.mean(err["after_whole_stages"]),
                                               max(err["after_whole_stages"])),
             "bubble_err_after_ends_only": (statistics.mean(err["after_ends_only"]), max(err["after_ends_only"])),
+            "bubble_err_one_device": (statistics.mean(err["one_device"]), max(err["one_device"])),
+            "one_device_pick": points(one_device_pick["counts"]), "one_device_pick_paired": one_device_pick["paired"],
             "slower_when_waiting": slower_when_waiting(rows),
             "paired_vs_predicted": (statistics.mean(ratio_err), max(ratio_err)) if ratio_err else (0.0, 0.0),
             "rows": rows}
@@ -332,6 +349,16 @@ def main() -> None:
                       f" | {r['bubble_err_after_ends_only'][0]:.1f} / {r['bubble_err_after_ends_only'][1]:.1f}"
                       f" | {r['bubble_noise']:.1f}"
                       f" | {r['paired_vs_predicted'][0]:.1f} / {r['paired_vs_predicted'][1]:.1f} |", flush=True)
+    print("\nEach part timed in one process before the launch (python -m trainer.measure_costs, OMP_NUM_THREADS=1),"
+          " no pipeline run: the predicted bubble's error with those costs (points, mean / worst) beside the FLOP"
+          " model's and the timed pipeline run's, and the split those costs choose among the measured ones:\n")
+    print("| model | schedule | FLOP model | timed pipeline run | one device | one device's pick: paired ratio |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        errors = " | ".join(f"{r[k][0]:.1f} / {r[k][1]:.1f}" for k in ("bubble_err_before", "bubble_err_after",
+                                                                         "bubble_err_one_device"))
+        print(f"| {r['model']} | {r['schedule']} | {errors}"
+              f" | {r['one_device_pick']}: {r['one_device_pick_paired']:.3f} |")
     print("\nA block's time on the ranks that waited (measured bubble 40% or more) against those that hardly did"
           " (under 15%), over every split and rank (ms per block and microbatch, medians; how many rank-splits):\n")
     print("| model | schedule | forward: busy / waiting (ratio) | backward: busy / waiting (ratio) |")

@@ -182,6 +182,10 @@ def predicted_step(plan: JobPlan) -> list[str]:
              _amount(chosen.makespan - chosen.busy[r], unit), f"{100 * chosen.bubble(r):.1f}%"]
             for r in range(pipeline.pp)]
     lines += _table(["pp rank", "stages", "compute", "idle", "bubble"], rows)
+    if costs.source.startswith("FLOP model"):
+        lines.append("(the FLOP model prices every kernel at one throughput and the embedding's gradient at nothing;"
+                     " measured costs: python -m trainer.measure_costs on one device, or a timed pipeline run,"
+                     " then --parallelism.pipeline_parallel_cost_file)")
     lines.append(f"step (makespan): {_amount(chosen.makespan, unit)}{'' if unit == 's' else ' units'}")
     search = pipeline.search or search_splits(sim)
     how = (f"exact: all {search.total} contiguous splits simulated" if search.exact else

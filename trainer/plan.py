@@ -431,9 +431,10 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
     where = measured["measured"]
     send = where.get("transfer_s", link["link_latency"] + send_bytes / link["link_bytes_per_second"])
     counts = where.get("counts")
+    how = (f"{where['method']} ({where.get('device')}); transfers priced by the link settings" if "method" in where
+           else f"{where.get('schedule')} on {where.get('device')}, split {where.get('split_points')}")
     return calibrated_costs(units, measured["fit"], send=send, measured_counts=tuple(counts) if counts else None,
-                            source=f"measured ({p.pipeline_parallel_cost_file}: {where.get('schedule')} on"
-                                   f" {where.get('device')}, split {where.get('split_points')})")
+                            source=f"measured ({p.pipeline_parallel_cost_file}: {how})")
 
 
 def activation_sections(config: JobConfig) -> dict:

@@ -98,7 +98,7 @@ LAYERS = [
     ["trainer.evaluate"],
     ["trainer.train"],
     ["trainer.convert", "trainer.launch", "trainer.prepare"],
-    ["trainer.generate"],
+    ["trainer.generate", "trainer.measure_costs"],
     ["trainer"],
 ]
 

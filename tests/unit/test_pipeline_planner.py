@@ -120,6 +120,7 @@ def test_dry_run_predicts_each_rank_and_compares_given_split_points(tmp_path):
     text = describe_plan(load_plan(args))
     assert "Split chosen by the planner (split_mode makespan; exact: all 10 contiguous splits simulated)" in text
     assert "pp rank  stages  compute  idle  bubble" in text and "step (makespan):" in text
+    assert "measured costs: python -m trainer.measure_costs on one device" in text  # where to get better costs
     assert text.count("Next best: ") == 1 and text.split("Next best: ")[1].count("%)") == 3
     given = load_plan(args + ["--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"])
     plan = load_plan(args)

@@ -1,0 +1,146 @@
+"""The FLOP model against each part timed on one device, and what the difference does to the pipeline plan.
+
+    python benchmarks/bench_pipeline_costs.py [--models debug,12x32k] [--device cuda] [--steps 20] [--out DIR]
+
+For each model, ``trainer.measure_costs`` times every part (embedding, each block, output and loss; F, B, I,
+W) on the device, one process, and writes a cost file. Reported:
+- per part and kind, the measured milliseconds and the part's cost in blocks, measured and by the FLOP model
+  (how many of the mean block's forward the part costs: the output projection of a large vocabulary is the
+  part the FLOP model prices least well where kernels are launch- or memory-bound);
+- per schedule and pipeline degree, the split the planner chooses with the FLOP model and with the measured
+  costs, the predicted step of the FLOP model's split under the measured costs against the measured costs'
+  own choice (what planning without a measurement loses), and each rank's predicted bubble for the FLOP
+  model's split by both cost tables (points apart: the FLOP model's error where only compute matters).
+Transfers between ranks and the per-action cost of the schedule are not in a one-device measurement; both
+plans price transfers with the same link settings. Figures: docs/performance.md.
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+DEBUG = ["--job.config_file", str(REPO / "configs/debug_model.toml")]
+MODELS = {
+    "debug": DEBUG,
+    "12x32k": DEBUG + ["--model.overrides.n_layers", "12", "--model.overrides.vocab_size", "32768"],
+    "1B": DEBUG + ["--model.flavor", "1B", "--training.seq_len", "2048"],
+    "8B": DEBUG + ["--model.flavor", "8B", "--training.seq_len", "2048"],
+}
+SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
+
+
+def part_table(name: str, parts: dict, units) -> list[str]:
+    """Measured ms per part and kind, and each part in blocks (the mean block's forward), measured / FLOP model."""
+    block_f = statistics.fmean(parts["F"][1:-1])
+    unit_f = statistics.fmean(units.parts["F"][1:-1])
+    rows = []
+    for kind in ("F", "B", "I", "W"):
+        v, u = parts[kind], units.parts[kind]
+        cells = []
+        for label, m, f in (("embedding", v[0], u[0]), ("block", statistics.fmean(v[1:-1]),
+                                                         statistics.fmean(u[1:-1])), ("output+loss", v[-1], u[-1])):
+            cells.append(f"{1e3 * m:.3f} ms ({m / block_f:.2f} / {f / unit_f:.2f})")
+        rows.append(f"| {name} | {kind} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def plan_rows(name: str, base: list[str], cost_file: Path, pps: list[int]) -> list[dict]:
+    from tests.conftest import load_plan
+    from trainer.parallel.pipeline_planner import Simulator
+    from trainer.parallel.schedule_sim import program_for
+
+    out = []
+    for pp in pps:
+        for schedule in SCHEDULES:
+            args = base + ["--parallelism.pipeline_parallel_degree", str(pp),
+                           "--parallelism.pipeline_parallel_schedule", schedule,
+                           "--training.local_batch_size", str(4 * pp)]
+            try:
+                flop = load_plan(args, pp, check_memory=False)
+                measured = load_plan(args + ["--parallelism.pipeline_parallel_cost_file", str(cost_file)], pp,
+                                     check_memory=False)
+            except Exception as e:  # a schedule this depth or block count does not allow
+                out.append({"model": name, "pp": pp, "schedule": schedule, "skipped": str(e).splitlines()[0][:120]})
+                continue
+            p = flop.pipeline
+            program = program_for(schedule, pp, flop.n_microbatches, p.stages_per_rank)
+            by_flop = Simulator(flop.pipeline_costs, program)
+            by_measure = Simulator(measured.pipeline_costs, program)
+            f_counts, m_counts = p.counts, measured.pipeline.counts
+            at_f, at_m = by_measure.predict(f_counts), by_measure.predict(m_counts)
+            prior = by_flop.predict(f_counts)
+            ranks = range(len(at_f.busy))
+            out.append({"model": name, "pp": pp, "schedule": schedule, "flop_split": f_counts,
+                        "measured_split": m_counts, "loss_pct": 100 * (at_f.makespan / at_m.makespan - 1),
+                        "step_ms": 1e3 * at_m.makespan,
+                        "bubble_flop": [100 * prior.bubble(r) for r in ranks],
+                        "bubble_measured": [100 * at_f.bubble(r) for r in ranks]})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="debug,12x32k")
+    parser.add_argument("--device", default="")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--pp", default="2")
+    parser.add_argument("--out", default="/tmp/bench_pipeline_costs")
+    args = parser.parse_args()
+    import torch
+
+    from trainer.config import load_config
+    from trainer.measure_costs import measure
+    from trainer.plan import build_job_plan, pipeline_costs
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts_rows, plans, report = [], [], {"device": device, "torch": torch.__version__, "models": {}}
+    if device.startswith("cuda"):
+        report["device_name"] = torch.cuda.get_device_name(device)
+    for name in args.models.split(","):
+        base = MODELS[name]
+        config = load_config(overrides=base)
+        start = time.perf_counter()
+        path, lines = measure(config, device_name=device, steps=args.steps, out=str(out / f"{name}_costs.json"))
+        seconds = time.perf_counter() - start
+        print("\n".join(lines), flush=True)
+        data = json.loads(path.read_text())
+        plan = build_job_plan(config, 1, check_memory=False)
+        units = pipeline_costs(config, plan.spec, plan.model_args, plan.build_model(), plan.dims, device,
+                               relative=True)
+        parts_rows += part_table(name, data["measured"]["parts_s"], units)
+        pps = [pp for pp in map(int, args.pp.split(",")) if 2 * pp <= plan.model_args.n_layers]
+        rows = plan_rows(name, base, path, pps)
+        plans += rows
+        report["models"][name] = {"parts_s": data["measured"]["parts_s"], "measure_s": seconds, "plans": rows}
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=list))
+        if device.startswith("cuda"):
+            gc.collect()
+            torch.cuda.empty_cache()
+    print(f"\n{report.get('device_name', device)}, torch {torch.__version__}; part costs, ms (in blocks: measured /"
+          " FLOP model)")
+    print("| model | kind | embedding | block (mean) | output + loss |\n|---|---|---:|---:|---:|")
+    print("\n".join(parts_rows))
+    print("\n| model | pp | schedule | FLOP model's split | measured costs' split | FLOP split's predicted step"
+          " over the measured split's | predicted bubble per rank, FLOP model / measured costs (FLOP split) |")
+    print("|---|---:|---|---|---|---:|---|")
+    for r in plans:
+        if "skipped" in r:
+            print(f"| {r['model']} | {r['pp']} | {r['schedule']} | skipped: {r['skipped']} | | | |")
+            continue
+        bubbles = ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(r["bubble_flop"], r["bubble_measured"], strict=True))
+        print(f"| {r['model']} | {r['pp']} | {r['schedule']} | {'/'.join(map(str, r['flop_split']))} |"
+              f" {'/'.join(map(str, r['measured_split']))} | +{r['loss_pct']:.1f}% ({r['step_ms']:.1f} ms) |"
+              f" {bubbles} |")
+
+
+if __name__ == "__main__":
+    main()

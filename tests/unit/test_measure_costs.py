@@ -1,0 +1,148 @@
+"""One-device part costs (trainer.measure_costs): each part timed at its boundaries, written as a cost file the
+pipeline planner reads."""
+
+import json
+import re
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from trainer import measure_costs
+from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs
+
+
+class Sleep(torch.autograd.Function):
+    """The input's path: sleeps ``fwd`` in the forward and ``bwd`` in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, fwd, bwd):
+        ctx.bwd = bwd
+        time.sleep(fwd)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.bwd)
+        return grad, None, None
+
+
+class WeightSleep(torch.autograd.Function):
+    """The weight's path: free in the forward, sleeps ``bwd`` in the backward (skipped when autograd is asked
+    for input gradients only, as a weight gradient is)."""
+
+    @staticmethod
+    def forward(ctx, w, bwd):
+        ctx.bwd = bwd
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.bwd)
+        return grad, None
+
+
+class Part(nn.Module):
+    def __init__(self, fwd, i, w):
+        super().__init__()
+        self.sleeps, self.w = (fwd, i, w), nn.Parameter(torch.ones(2))
+
+    def forward(self, x, *rest):
+        fwd, i, w = self.sleeps
+        # the weight's node is created last, so the backward runs it before the gradient reaches x
+        return Sleep.apply(x, fwd, i) * WeightSleep.apply(self.w, w)
+
+
+# (forward, input gradient, weight gradient) sleeps in seconds of each part
+SLEEPS = {"pre": (0.01, 0.0, 0.03), "blocks": [(0.04, 0.05, 0.02), (0.06, 0.03, 0.04)], "post": (0.02, 0.06, 0.01)}
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok, self.out = Part(*SLEEPS["pre"]), Part(*SLEEPS["post"])
+        self.layers = nn.ModuleDict({str(i): Part(*s) for i, s in enumerate(SLEEPS["blocks"])})
+
+    def forward(self, x):
+        h = self.tok(x)
+        for block in self.layers.values():
+            h = block(h, torch.ones(2))  # a block's other inputs carry no gradient (the rotary table)
+        return self.out(h)
+
+
+def test_each_part_is_timed_alone_in_the_forward_the_backward_and_the_input_gradient():
+    """Each part sleeps known times in its forward, its input's gradient and its weight's gradient: the medians
+    must be each part's sleep (F: forward; B: both gradients; I: the input's gradient, none for the embedding,
+    whose input is token ids; W: the weight's gradient), never less and less than 15 ms more."""
+    model = Model()
+    measured = measure_costs.time_parts(model, list(model.layers.values()), torch.ones(2), None,
+                                        lambda out, labels: out.sum(), steps=2, warmup=1)
+    parts = [SLEEPS["pre"], *SLEEPS["blocks"], SLEEPS["post"]]
+    expected = {"F": [f for f, _, _ in parts], "B": [i + w for _, i, w in parts],
+                "I": [0.0] + [i for _, i, _ in parts[1:]], "W": [w for _, _, w in parts]}
+    for kind in KINDS:
+        assert len(measured[kind]) == len(parts), kind
+        for got, want, label in zip(measured[kind], expected[kind], ("pre", "block 0", "block 1", "post")):
+            assert want - 0.003 <= got < want + 0.015, (kind, label, got, want)
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())  # hooks removed
+
+
+def test_the_fit_keeps_each_measured_part_and_prices_blocks_by_their_units():
+    """The cost file's fit, read back as the planner reads it: embedding and output as measured, no per-action
+    cost, the blocks' measured total divided in proportion to their FLOP-model units."""
+    units = PartCosts({k: (0.0, 1.0, 3.0, 2.0) for k in KINDS}, dict.fromkeys(KINDS, 0.0), 0.0, "units", "FLOP model")
+    measured = {"F": [0.1, 0.2, 0.6, 0.5], "B": [0.3, 0.5, 1.1, 0.9], "I": [0.0, 0.3, 0.7, 0.6],
+                "W": [0.3, 0.2, 0.4, 0.3]}
+    costs = calibrated_costs(units, measure_costs.fit_from_parts(units, measured), send=0.0, source="test")
+    for kind, v in measured.items():
+        total = v[1] + v[2]
+        assert costs.parts[kind] == pytest.approx((v[0], total / 4, 3 * total / 4, v[3])), kind
+        assert costs.overhead[kind] == 0.0
+
+
+def test_a_cost_file_measured_on_one_device_plans_the_pipeline(tmp_path, capsys):
+    """The command on the debug model writes a cost file that a pipelined plan of the same job reads: seconds,
+    the measured embedding and output, the source said; a job with another sequence length refuses it."""
+    from tests.conftest import load_plan
+    from trainer.errors import ConfigError
+
+    out = tmp_path / "traces" / "pipeline_costs.json"  # the default place: <dump_folder>/<save_traces_folder>
+    job = ["--job.config_file", "configs/debug_model.toml", "--model.overrides.n_layers", "2",
+           "--job.dump_folder", str(tmp_path), "--profiling.save_traces_folder", "traces"]
+    assert measure_costs.run(job + ["--steps", "1", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    assert "timed 1 microbatches of 1 x 256 tokens on cpu" in printed and f"wrote {out}" in printed
+    data = json.loads(out.read_text())
+    parts = data["measured"]["parts_s"]
+    assert all(len(parts[k]) == 4 for k in KINDS) and all(v > 0 for v in parts["F"])
+    plan = load_plan(job + ["--parallelism.pipeline_parallel_degree", "2",
+                            "--parallelism.pipeline_parallel_cost_file", str(out)], 2, check_memory=False)
+    costs = plan.pipeline_costs
+    assert costs.unit == "s" and "parts timed on one device (cpu)" in costs.source
+    assert costs.parts["F"][0] == pytest.approx(parts["F"][0]) and costs.parts["F"][-1] == pytest.approx(parts["F"][-1])
+    assert sum(costs.parts["F"][1:-1]) == pytest.approx(sum(parts["F"][1:-1]))
+    from trainer.dry_run import describe_plan
+
+    text = describe_plan(plan)
+    assert f"from the measured ({out}: parts timed on one device (cpu); transfers priced by the link" in text
+    assert "python -m trainer.measure_costs" not in text  # the pointer is for FLOP-model plans only
+    with pytest.raises(ConfigError, match=r"was measured with seq_len 256, this job has 128"):
+        load_plan(job + ["--parallelism.pipeline_parallel_degree", "2", "--training.seq_len", "128",
+                         "--parallelism.pipeline_parallel_cost_file", str(out)], 2, check_memory=False).pipeline_costs
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--parallelism.tensor_parallel_degree", "2"], r"\[parallelism\] tensor_parallel_degree = 2: one device"),
+    (["--parallelism.context_parallel_degree", "2"], r"\[parallelism\] context_parallel_degree = 2: one device"),
+    (["--steps", "0"], r"--steps 0: must be in 1 \.\. 1000"),
+    (["--device", "tpu"], r"--device tpu: use cpu, cuda or cuda:N"),
+    (["--device", "cuda:7"], r"--device cuda:7: not usable here"),
+    (["--training.seq_lenn", "3"], r"seq_lenn"),
+    (["--steps", "many"], r"invalid int value: 'many'"),
+], ids=["tp", "cp", "steps", "device", "absent-device", "unknown-key", "steps-word"])
+def test_bad_input_is_one_line_naming_the_key(argv, words, capsys):
+    job = ["--job.config_file", "configs/debug_model.toml", "--model.overrides.n_layers", "2"]
+    assert measure_costs.run(job + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err and re.search(words, err), err

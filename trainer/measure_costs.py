@@ -1,0 +1,244 @@
+"""Price each part of the model on one device, so a pipeline plan uses measured costs before any pipeline runs.
+
+    python -m trainer.measure_costs --job.config_file JOB.toml [--section.key value ...] [--device cuda]
+                                    [--steps 10] [--out FILE]
+
+Builds the job's whole model on one device, in the job's compute dtype and with its activation
+checkpointing, and runs ``--steps`` microbatches of the job's pipeline microbatch size and sequence
+length (after two untimed ones). Each microbatch is timed at the model's part boundaries: the
+embedding (pre), each block, and the final norm, output projection and loss (post), in the forward,
+in the full backward, and in an input-gradient pass (autograd asked for the first block's input
+gradient only, so no weight gradient is computed, as in a zero-bubble schedule's I action); a part's
+weight gradient (W) is its full backward less its input gradient. On CUDA the boundaries are CUDA
+events (the kernels' own times); elsewhere the wall clock.
+
+The medians are written as a pipeline cost file (default ``<dump_folder>/<save_traces_folder>/
+pipeline_costs.json``, the file a timed pipeline run writes) that ``--dry-run
+--parallelism.pipeline_parallel_cost_file FILE`` plans with. What one device cannot measure is priced
+as before, and said in the output: a transfer between pipeline ranks (the link settings), the cost
+each action adds besides its parts (zero; a timed pipeline run measures it), tensor and context
+parallelism (refused: measure a job with both degrees 1).
+"""
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from trainer.errors import ConfigError, UserError, one_line
+
+USAGE = ("usage: python -m trainer.measure_costs --job.config_file JOB.toml [--section.key value ...] [--device DEVICE]"
+         " [--steps N] [--out FILE]")
+WARMUP = 2
+MAX_STEPS = 1000
+
+
+class PartClock:
+    """Marks taken at part boundaries during one microbatch; on CUDA as events, read after a synchronise."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+        self.marks: dict = {}
+
+    def mark(self, key) -> None:
+        if key in self.marks:  # the first crossing counts (a recomputation crosses again)
+            return
+        if self.cuda:
+            event = self.torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks[key] = event
+        else:
+            self.marks[key] = time.perf_counter_ns()
+
+    def seconds(self, a, b) -> float:
+        """Seconds from mark ``a`` to mark ``b``."""
+        if self.cuda:
+            return self.marks[a].elapsed_time(self.marks[b]) / 1e3
+        return (self.marks[b] - self.marks[a]) / 1e9
+
+
+def time_parts(model, blocks: list, inputs, labels, loss_fn, *, steps: int, warmup: int = WARMUP) -> dict:
+    """Median seconds of each part (pre, every block, post) per kind: {"F" | "B" | "I" | "W": [pre, b0 .. bn-1,
+    post]}, over ``steps`` microbatches after ``warmup``. ``blocks``: the model's blocks in the order they run."""
+    import torch
+
+    n = len(blocks)
+    state = {"clock": None, "kind": None, "first_input": None}
+
+    def starts(index):
+        def hook(module, args):
+            clock, kind = state["clock"], state["kind"]
+            if clock is None or kind is None:
+                return
+            if kind == "F":
+                clock.mark(("F", index))
+            hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+            if hidden is not None and kind == "F":
+                if index == 0:
+                    state["first_input"] = hidden
+                hidden.register_hook(lambda grad: state["clock"].mark((state["kind"], index)))
+        return hook
+
+    def ends(module, args, output):
+        clock = state["clock"]
+        if clock is None or state["kind"] != "F":
+            return
+        clock.mark(("F", n))
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: state["clock"].mark((state["kind"], n)))
+
+    handles = [b.register_forward_pre_hook(starts(i)) for i, b in enumerate(blocks)]
+    handles.append(blocks[-1].register_forward_hook(ends))
+    samples: dict[str, list[list[float]]] = {k: [] for k in ("F", "B", "I")}
+    try:
+        for step in range(warmup + steps):
+            for kind in ("B", "I"):  # each backward needs its own forward; the first one's forward is timed
+                clock = state["clock"] = PartClock(inputs.device)
+                state["kind"] = "F"
+                clock.mark(("F", "start"))
+                loss = loss_fn(model(inputs), labels)
+                clock.mark(("F", "end"))
+                state["kind"] = kind
+                clock.mark((kind, "start"))
+                if kind == "B":
+                    loss.backward()
+                else:
+                    torch.autograd.grad(loss, [state["first_input"]])
+                clock.mark((kind, "end"))
+                state["kind"] = None
+                if inputs.device.type == "cuda":
+                    torch.cuda.synchronize()
+                if step < warmup:
+                    continue
+                s = clock.seconds
+                if kind == "B":
+                    samples["F"].append([s(("F", "start"), ("F", 0)),
+                                         *(s(("F", i), ("F", i + 1)) for i in range(n)), s(("F", n), ("F", "end"))])
+                first = (kind, 0) if (kind, 0) in clock.marks else (kind, "end")
+                samples[kind].append([s(first, (kind, "end")) if kind == "B" else 0.0,
+                                      *(s((kind, i + 1), (kind, i) if i else first) for i in range(n)),
+                                      s((kind, "start"), (kind, n))])
+            model.zero_grad(set_to_none=True)
+    finally:
+        for h in handles:
+            h.remove()
+        state["clock"] = None
+    out = {k: [statistics.median(column) for column in zip(*rows, strict=True)] for k, rows in samples.items()}
+    out["W"] = [max(b - i, 0.0) for b, i in zip(out["B"], out["I"], strict=True)]
+    return out
+
+
+def fit_from_parts(units, measured: dict) -> dict:
+    """The cost file's fit (``pipeline_cost.fit_costs``' shape) from per-part seconds: each kind's block price is
+    its blocks' measured total over their FLOP-model units, pre and post as measured, no per-action cost."""
+    import math
+
+    fit = {}
+    for kind, values in measured.items():
+        block_units = math.fsum(units.parts[kind][1:-1])
+        blocks = math.fsum(values[1:-1])
+        fit[kind] = {"overhead_s": 0.0, "lead_overhead_s": 0.0, "tail_overhead_s": 0.0,
+                     "per_unit_s": blocks / block_units if block_units else 0.0,
+                     "pre_s": values[0], "post_s": values[-1]}
+    return fit
+
+
+def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[Path, list[str]]:
+    """Time the job's parts on ``device_name`` and write the cost file; returns its path and the lines to print."""
+    import torch
+
+    from trainer.models.init import materialize_
+    from trainer.models.registry import model_blocks
+    from trainer.parallel.ac import apply_ac
+    from trainer.parallel.pipeline_cost import write_cost_file
+    from trainer.plan import build_job_plan, compute_dtype, cost_identity, pipeline_costs
+
+    p = config.parallelism
+    for degree, key in ((p.tensor_parallel_degree, "tensor_parallel_degree"),
+                        (p.context_parallel_degree, "context_parallel_degree")):
+        if degree > 1:
+            raise ConfigError(f"[parallelism] {key} = {degree}: one device measures the parts unsharded; measure the"
+                              f" job with {key} = 1 (a timed pipeline run, --profiling.pipeline_timeline_steps,"
+                              " measures a sharded job)")
+    world = p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1) * p.pipeline_parallel_degree
+    plan = build_job_plan(config, world, check_memory=False)
+    device = torch.device(device_name)
+    dtype = compute_dtype(config.training.mixed_precision_param, device.type)
+    model = plan.build_model()
+    materialize_(model, device, plan.seed)
+    for parameter in model.parameters():  # as FSDP's mixed precision computes: parameters cast, buffers kept
+        parameter.data = parameter.data.to(dtype)
+    ac = config.activation_checkpoint
+    apply_ac(model, mode=ac.mode, option=ac.selective_ac_option, layers_attr=plan.spec.layers_attr)
+    blocks = list(model_blocks(model, plan.spec.layers_attr).values())
+    batch = p.pipeline_parallel_microbatch_size
+    generator = torch.Generator().manual_seed(plan.seed)
+    inputs = torch.randint(plan.vocab_size, (batch, config.training.seq_len), generator=generator).to(device)
+    labels = torch.randint(plan.vocab_size, (batch, config.training.seq_len), generator=generator).to(device)
+    from trainer.loss import cross_entropy_sum
+
+    measured = time_parts(model, blocks, inputs, labels, cross_entropy_sum, steps=steps)
+    units = pipeline_costs(config, plan.spec, plan.model_args, plan.build_model(), plan.dims, device.type,
+                           relative=True)
+    path = Path(out or Path(config.job.dump_folder) / config.profiling.save_traces_folder / "pipeline_costs.json")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    write_cost_file(path, identity=cost_identity(config, len(blocks), 1, 1), fit=fit_from_parts(units, measured),
+                    measured={"method": "parts timed on one device", "device": name, "steps": steps,
+                              "parts_s": measured, "dtype": str(dtype).removeprefix("torch.")})
+    lines = [f"timed {steps} microbatches of {batch} x {config.training.seq_len} tokens on {name}"
+             f" ({str(dtype).removeprefix('torch.')}, activation checkpointing {ac.mode}); median ms per microbatch:"]
+    for kind in ("F", "B", "I", "W"):
+        v = measured[kind]
+        lines.append(f"  {kind}: embedding {1e3 * v[0]:.3f}, a block {1e3 * statistics.fmean(v[1:-1]):.3f}"
+                     f" (min {1e3 * min(v[1:-1]):.3f}, max {1e3 * max(v[1:-1]):.3f}),"
+                     f" output and loss {1e3 * v[-1]:.3f}")
+    lines.append(f"wrote {path}; plan with it: --dry-run --parallelism.pipeline_parallel_cost_file {path}"
+                 " (not measured here, priced as before: transfers between pipeline ranks, by the link settings;"
+                 " the per-action cost of the schedule, as zero)")
+    if config.compile.enable:
+        lines.append("note: [compile] enable = true, but the parts were timed eagerly (compiled blocks cannot be"
+                     " timed at their boundaries)")
+    return path, lines
+
+
+def run(argv: list[str]) -> int:
+    from trainer.log import init_config_logging
+
+    init_config_logging()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    from trainer.convert import CommandParser, report
+
+    parser = CommandParser("python -m trainer.measure_costs", USAGE)
+    parser.add_argument("--device", default="")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out")
+    try:
+        known, rest = parser.parse_known_args(argv)
+        if not 1 <= known.steps <= MAX_STEPS:
+            raise UserError(f"--steps {known.steps}: must be in 1 .. {MAX_STEPS}")
+        import torch
+
+        from trainer.config import load_config
+
+        device = known.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.split(":")[0] not in ("cpu", "cuda"):
+            raise UserError(f"--device {device}: use cpu, cuda or cuda:N")
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as e:
+            raise UserError(f"--device {device}: not usable here ({one_line(e)[:200]})") from None
+        config = load_config(overrides=rest)
+        _, lines = measure(config, device_name=device, steps=known.steps, out=known.out)
+    except UserError as e:
+        return report(e, USAGE)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
