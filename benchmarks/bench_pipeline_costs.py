@@ -32,6 +32,7 @@ MODELS = {
     "12x32k": DEBUG + ["--model.overrides.n_layers", "12", "--model.overrides.vocab_size", "32768"],
     "1B": DEBUG + ["--model.flavor", "1B", "--training.seq_len", "2048"],
     "8B": DEBUG + ["--model.flavor", "8B", "--training.seq_len", "2048"],
+    "1B-fullAC": DEBUG + ["--model.flavor", "1B", "--training.seq_len", "2048", "--activation_checkpoint.mode", "full"],
 }
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 
@@ -102,7 +103,7 @@ def main() -> None:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    parts_rows, plans, report = [], [], {"device": device, "torch": torch.__version__, "models": {}}
+    parts_rows, whole_rows, plans, report = [], [], [], {"device": device, "torch": torch.__version__, "models": {}}
     if device.startswith("cuda"):
         report["device_name"] = torch.cuda.get_device_name(device)
     for name in args.models.split(","):
@@ -117,6 +118,9 @@ def main() -> None:
         units = pipeline_costs(config, plan.spec, plan.model_args, plan.build_model(), plan.dims, device,
                                relative=True)
         parts_rows += part_table(name, data["measured"]["parts_s"], units)
+        f_b = sum(data["measured"]["parts_s"]["F"]) + sum(data["measured"]["parts_s"]["B"])
+        whole_rows.append(f"| {name} | {1e3 * f_b:.3f} | {1e3 * data['measured']['whole_s']:.3f}"
+                          f" | {f_b / data['measured']['whole_s']:.3f} |")
         pps = [pp for pp in map(int, args.pp.split(",")) if 2 * pp <= plan.model_args.n_layers]
         rows = plan_rows(name, base, path, pps)
         plans += rows
@@ -129,6 +133,9 @@ def main() -> None:
           " FLOP model)")
     print("| model | kind | embedding | block (mean) | output + loss |\n|---|---|---:|---:|---:|")
     print("\n".join(parts_rows))
+    print("\nThe parts' F + B against a forward and backward timed whole (no part marked), ms per microbatch:\n")
+    print("| model | parts' F + B | whole | ratio |\n|---|---:|---:|---:|")
+    print("\n".join(whole_rows))
     print("\n| model | pp | schedule | FLOP model's split | measured costs' split | FLOP split's predicted step"
           " over the measured split's | predicted bubble per rank, FLOP model / measured costs (FLOP split) |")
     print("|---|---:|---|---|---|---:|---|")
@@ -138,7 +145,7 @@ def main() -> None:
             continue
         bubbles = ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(r["bubble_flop"], r["bubble_measured"], strict=True))
         print(f"| {r['model']} | {r['pp']} | {r['schedule']} | {'/'.join(map(str, r['flop_split']))} |"
-              f" {'/'.join(map(str, r['measured_split']))} | +{r['loss_pct']:.1f}% ({r['step_ms']:.1f} ms) |"
+              f" {'/'.join(map(str, r['measured_split']))} | {r['loss_pct']:+.1f}% ({r['step_ms']:.1f} ms) |"
               f" {bubbles} |")
 
 

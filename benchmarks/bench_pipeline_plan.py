@@ -15,7 +15,8 @@ timed steps). The planner's split also runs first; its timeline's measured costs
 over a launch (the 32k-vocabulary output part ran 30% faster for ten minutes of one launch while
 the blocks kept their pace), so each case is also compared with the planner's runs on either side
 of it: its step over their mean ("paired"), the median over its cases. The planner's first and
-last cases show that noise on one split. Reported
+last cases show that noise on one split, and a table gives its floor: the planner's own inner cases
+paired with its runs two cases either side. Reported
 per model and schedule: the best measured split against the planner's (the planner's step / the best
 step; and the lowest paired ratio), the old stage-balanced split (split_mode flops) against the
 planner's, and the predicted bubble per rank against the measured one before and after calibration
@@ -242,6 +243,12 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                 case_step[i] / ((case_step[i - 1] + case_step[i + 1]) / 2))
     for row in rows:
         row["paired"] = statistics.median(paired[row["counts"]]) if row["counts"] in paired else 1.0
+    # the noise floor under a paired ratio: each of the planner's inner cases against its own runs two cases
+    # either side (the same split, so 1 but for this machine's noise)
+    own = [i for i, c in enumerate(cases) if tuple(c["counts"]) == p.counts]
+    self_paired = [case_step[own[k]] / ((case_step[own[k - 1]] + case_step[own[k + 1]]) / 2)
+                   for k in range(1, len(own) - 1)]
+    planner_cases = [case_step[i] for i in own]
     best = min(rows, key=lambda r: r["step"])
     best_paired = min(rows, key=lambda r: r["paired"])
     # how well the calibrated costs predict each split's step relative to the planner's: against the paired
@@ -268,6 +275,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "bubble_err_one_device": (statistics.mean(err["one_device"]), max(err["one_device"])),
             "one_device_pick": points(one_device_pick["counts"]), "one_device_pick_paired": one_device_pick["paired"],
             "slower_when_waiting": slower_when_waiting(rows),
+            "self_paired": (min(self_paired), max(self_paired)) if self_paired else (1.0, 1.0),
+            "planner_spread": (min(planner_cases) / statistics.median(planner_cases),
+                               max(planner_cases) / statistics.median(planner_cases), len(planner_cases)),
             "paired_vs_predicted": (statistics.mean(ratio_err), max(ratio_err)) if ratio_err else (0.0, 0.0),
             "rows": rows}
 
@@ -349,6 +359,15 @@ def main() -> None:
                       f" | {r['bubble_err_after_ends_only'][0]:.1f} / {r['bubble_err_after_ends_only'][1]:.1f}"
                       f" | {r['bubble_noise']:.1f}"
                       f" | {r['paired_vs_predicted'][0]:.1f} / {r['paired_vs_predicted'][1]:.1f} |", flush=True)
+    print("\nThis machine's noise: the planner's split over its cases (its case medians' lowest and highest over"
+          " their median), and each of its inner cases paired with its own runs two cases either side (the same"
+          " split: a paired ratio this far from 1 is noise):\n")
+    print("| model | schedule | planner's cases | lowest / highest over the median | paired with itself: lowest /"
+          " highest |\n|---|---|---:|---|---|")
+    for r in results:
+        low, high, n = r["planner_spread"]
+        print(f"| {r['model']} | {r['schedule']} | {n} | {low:.3f} / {high:.3f}"
+              f" | {r['self_paired'][0]:.3f} / {r['self_paired'][1]:.3f} |")
     print("\nEach part timed in one process before the launch (python -m trainer.measure_costs, OMP_NUM_THREADS=1),"
           " no pipeline run: the predicted bubble's error with those costs (points, mean / worst) beside the FLOP"
           " model's and the timed pipeline run's, and the split those costs choose among the measured ones:\n")

@@ -70,13 +70,12 @@ def time_parts(model, blocks: list, inputs, labels, loss_fn, *, steps: int, warm
 
     def starts(index):
         def hook(module, args):
-            clock, kind = state["clock"], state["kind"]
-            if clock is None or kind is None:
+            if state["clock"] is None or state["kind"] != "F":  # not timing, or a recomputation in a backward
                 return
-            if kind == "F":
-                clock.mark(("F", index))
+            state["clock"].mark(("F", index))
+            # the hidden state: the first input that carries a gradient (a block may take the rotary table first)
             hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-            if hidden is not None and kind == "F":
+            if hidden is not None:
                 if index == 0:
                     state["first_input"] = hidden
                 hidden.register_hook(lambda grad: state["clock"].mark((state["kind"], index)))
@@ -131,6 +130,25 @@ def time_parts(model, blocks: list, inputs, labels, loss_fn, *, steps: int, warm
     return out
 
 
+def time_whole(model, inputs, labels, loss_fn, *, steps: int, warmup: int = WARMUP) -> float:
+    """Median seconds of one microbatch's forward and full backward with no part marked (what the parts' marks
+    cost is the difference from their sum)."""
+    import torch
+
+    samples = []
+    for step in range(warmup + steps):
+        clock = PartClock(inputs.device)
+        clock.mark("start")
+        loss_fn(model(inputs), labels).backward()
+        clock.mark("end")
+        if inputs.device.type == "cuda":
+            torch.cuda.synchronize()
+        if step >= warmup:
+            samples.append(clock.seconds("start", "end"))
+        model.zero_grad(set_to_none=True)
+    return statistics.median(samples)
+
+
 def fit_from_parts(units, measured: dict) -> dict:
     """The cost file's fit (``pipeline_cost.fit_costs``' shape) from per-part seconds: each kind's block price is
     its blocks' measured total over their FLOP-model units, pre and post as measured, no per-action cost."""
@@ -181,13 +199,15 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     from trainer.loss import cross_entropy_sum
 
     measured = time_parts(model, blocks, inputs, labels, cross_entropy_sum, steps=steps)
+    whole = time_whole(model, inputs, labels, cross_entropy_sum, steps=steps)
+    parts_sum = sum(measured["F"]) + sum(measured["B"])
     units = pipeline_costs(config, plan.spec, plan.model_args, plan.build_model(), plan.dims, device.type,
                            relative=True)
     path = Path(out or Path(config.job.dump_folder) / config.profiling.save_traces_folder / "pipeline_costs.json")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     write_cost_file(path, identity=cost_identity(config, len(blocks), 1, 1), fit=fit_from_parts(units, measured),
                     measured={"method": "parts timed on one device", "device": name, "steps": steps,
-                              "parts_s": measured, "dtype": str(dtype).removeprefix("torch.")})
+                              "parts_s": measured, "whole_s": whole, "dtype": str(dtype).removeprefix("torch.")})
     lines = [f"timed {steps} microbatches of {batch} x {config.training.seq_len} tokens on {name}"
              f" ({str(dtype).removeprefix('torch.')}, activation checkpointing {ac.mode}); median ms per microbatch:"]
     for kind in ("F", "B", "I", "W"):
@@ -195,6 +215,9 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
         lines.append(f"  {kind}: embedding {1e3 * v[0]:.3f}, a block {1e3 * statistics.fmean(v[1:-1]):.3f}"
                      f" (min {1e3 * min(v[1:-1]):.3f}, max {1e3 * max(v[1:-1]):.3f}),"
                      f" output and loss {1e3 * v[-1]:.3f}")
+    lines.append(f"the parts' F + B sum to {1e3 * parts_sum:.3f} ms, {100 * parts_sum / whole:.1f}% of a forward and"
+                 f" backward timed whole ({1e3 * whole:.3f} ms; the difference is what marking the parts costs, and"
+                 " noise)")
     lines.append(f"wrote {path}; plan with it: --dry-run --parallelism.pipeline_parallel_cost_file {path}"
                  " (not measured here, priced as before: transfers between pipeline ranks, by the link settings;"
                  " the per-action cost of the schedule, as zero)")

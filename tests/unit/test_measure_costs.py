@@ -88,6 +88,16 @@ def test_each_part_is_timed_alone_in_the_forward_the_backward_and_the_input_grad
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())  # hooks removed
 
 
+def test_a_whole_microbatch_is_timed_without_marks():
+    """The check on the marks' cost: a forward and full backward timed whole is every part's forward and both
+    gradients' sleeps, never less and less than 15 ms more."""
+    model = Model()
+    whole = measure_costs.time_whole(model, torch.ones(2), None, lambda out, labels: out.sum(), steps=2, warmup=1)
+    parts = [SLEEPS["pre"], *SLEEPS["blocks"], SLEEPS["post"]]
+    expected = sum(f + i + w for f, i, w in parts)
+    assert expected - 0.003 <= whole < expected + 0.015, (whole, expected)
+
+
 def test_the_fit_keeps_each_measured_part_and_prices_blocks_by_their_units():
     """The cost file's fit, read back as the planner reads it: embedding and output as measured, no per-action
     cost, the blocks' measured total divided in proportion to their FLOP-model units."""
@@ -113,6 +123,7 @@ def test_a_cost_file_measured_on_one_device_plans_the_pipeline(tmp_path, capsys)
     assert measure_costs.run(job + ["--steps", "1", "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
     assert "timed 1 microbatches of 1 x 256 tokens on cpu" in printed and f"wrote {out}" in printed
+    assert re.search(r"the parts' F \+ B sum to [\d.]+ ms, [\d.]+% of a forward and backward timed whole", printed)
     data = json.loads(out.read_text())
     parts = data["measured"]["parts_s"]
     assert all(len(parts[k]) == 4 for k in KINDS) and all(v > 0 for v in parts["F"])
