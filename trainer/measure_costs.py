@@ -198,16 +198,26 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     labels = torch.randint(plan.vocab_size, (batch, config.training.seq_len), generator=generator).to(device)
     from trainer.loss import cross_entropy_sum
 
-    measured = time_parts(model, blocks, inputs, labels, cross_entropy_sum, steps=steps)
-    whole = time_whole(model, inputs, labels, cross_entropy_sum, steps=steps)
+    try:
+        measured = time_parts(model, blocks, inputs, labels, cross_entropy_sum, steps=steps)
+        whole = time_whole(model, inputs, labels, cross_entropy_sum, steps=steps)
+    except torch.OutOfMemoryError as e:
+        raise UserError(f"--device {device_name}: out of memory running the whole model ({plan.num_params:,}"
+                        f" parameters) on one microbatch of {batch} x {config.training.seq_len} tokens"
+                        f" ({one_line(e)[:120]}); time it with a smaller [training] seq_len or"
+                        " [parallelism] pipeline_parallel_microbatch_size, or measure in a timed pipeline run"
+                        ) from None
     parts_sum = sum(measured["F"]) + sum(measured["B"])
     units = pipeline_costs(config, plan.spec, plan.model_args, plan.build_model(), plan.dims, device.type,
                            relative=True)
     path = Path(out or Path(config.job.dump_folder) / config.profiling.save_traces_folder / "pipeline_costs.json")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    write_cost_file(path, identity=cost_identity(config, len(blocks), 1, 1), fit=fit_from_parts(units, measured),
-                    measured={"method": "parts timed on one device", "device": name, "steps": steps,
-                              "parts_s": measured, "whole_s": whole, "dtype": str(dtype).removeprefix("torch.")})
+    try:
+        write_cost_file(path, identity=cost_identity(config, len(blocks), 1, 1), fit=fit_from_parts(units, measured),
+                        measured={"method": "parts timed on one device", "device": name, "steps": steps,
+                                  "parts_s": measured, "whole_s": whole, "dtype": str(dtype).removeprefix("torch.")})
+    except OSError as e:
+        raise UserError(f"--out {path}: cannot write it ({one_line(e)[:200]})") from None
     lines = [f"timed {steps} microbatches of {batch} x {config.training.seq_len} tokens on {name}"
              f" ({str(dtype).removeprefix('torch.')}, activation checkpointing {ac.mode}); median ms per microbatch:"]
     for kind in ("F", "B", "I", "W"):

@@ -10,22 +10,8 @@ import torch
 from torch import nn
 
 from trainer import measure_costs
+from tests.unit.test_profiling import Sleep  # the input's path: sleeps fwd in the forward, bwd in the backward
 from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs
-
-
-class Sleep(torch.autograd.Function):
-    """The input's path: sleeps ``fwd`` in the forward and ``bwd`` in the backward."""
-
-    @staticmethod
-    def forward(ctx, x, fwd, bwd):
-        ctx.bwd = bwd
-        time.sleep(fwd)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.bwd)
-        return grad, None, None
 
 
 class WeightSleep(torch.autograd.Function):
@@ -151,9 +137,22 @@ def test_a_cost_file_measured_on_one_device_plans_the_pipeline(tmp_path, capsys)
     (["--device", "cuda:7"], r"--device cuda:7: not usable here"),
     (["--training.seq_lenn", "3"], r"seq_lenn"),
     (["--steps", "many"], r"invalid int value: 'many'"),
-], ids=["tp", "cp", "steps", "device", "absent-device", "unknown-key", "steps-word"])
+    (["--out", "/proc/no/costs.json", "--steps", "1"], r"--out /proc/no/costs.json: cannot write it"),
+], ids=["tp", "cp", "steps", "device", "absent-device", "unknown-key", "steps-word", "out"])
 def test_bad_input_is_one_line_naming_the_key(argv, words, capsys):
     job = ["--job.config_file", "configs/debug_model.toml", "--model.overrides.n_layers", "2"]
     assert measure_costs.run(job + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err and re.search(words, err), err
+
+
+def test_running_out_of_device_memory_is_one_line_naming_the_keys(monkeypatch, capsys):
+    def full(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(measure_costs, "time_parts", full)
+    job = ["--job.config_file", "configs/debug_model.toml", "--model.overrides.n_layers", "2"]
+    assert measure_costs.run(job + ["--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --device cpu: out of memory running the whole model") and "Traceback" not in err
+    assert "[training] seq_len" in err and "pipeline_parallel_microbatch_size" in err, err
