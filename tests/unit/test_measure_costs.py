@@ -156,3 +156,9 @@ def test_running_out_of_device_memory_is_one_line_naming_the_keys(monkeypatch, c
     err = capsys.readouterr().err
     assert err.startswith("error: --device cpu: out of memory running the whole model") and "Traceback" not in err
     assert "[training] seq_len" in err and "pipeline_parallel_microbatch_size" in err, err
+
+
+def test_a_compiled_job_is_timed_eagerly_and_says_so(tmp_path, capsys):
+    job = ["--job.config_file", "configs/debug_model.toml", "--model.overrides.n_layers", "2", "--compile.enable"]
+    assert measure_costs.run(job + ["--steps", "1", "--device", "cpu", "--out", str(tmp_path / "c.json")]) == 0
+    assert "note: [compile] enable = true, but the parts were timed eagerly" in capsys.readouterr().out
