@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import ConfigError, UserError, error_lines
+from trainer.errors import ConfigError, UserError, error_lines, one_line
 
 logger = logging.getLogger("trainer.convert")
 USAGE = ("usage: python -m trainer.convert to-hf CHECKPOINT_STEP_FOLDER OUT_FOLDER [--job.config_file FILE]"
@@ -253,9 +253,8 @@ def run(argv: list[str]) -> int:
     from trainer.log import init_config_logging
 
     init_config_logging()
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
+    if (status := help_or_usage(argv, __doc__, USAGE)) is not None:
+        return status
     parser = CommandParser("python -m trainer.convert", USAGE)
     parser.add_argument("direction", choices=["to-hf", "from-hf"])
     parser.add_argument("source")
@@ -290,6 +289,30 @@ class CommandParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(message)
+
+
+def help_or_usage(argv: list[str], doc: str, usage: str) -> int | None:
+    """A command's exit status when it is asked for help (its docstring, 0) or given nothing (its usage, 2);
+    None otherwise."""
+    if argv and argv[0] not in ("-h", "--help"):
+        return None
+    print(doc.strip() if argv else usage, file=sys.stdout if argv else sys.stderr)
+    return 0 if argv else 2
+
+
+def command_device(requested: str, kinds: tuple[str, ...], hint: str) -> str:
+    """The device a command runs on: ``requested`` (``--device``; empty: cuda where available, else cpu),
+    refused with one line when its kind is not in ``kinds`` (``hint`` says which are) or it is not usable here."""
+    import torch
+
+    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.split(":")[0] not in kinds:
+        raise UserError(f"--device {device}: {hint}")
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:  # an unknown device name, or CUDA not available
+        raise UserError(f"--device {device}: not usable here ({one_line(e)[:200]})") from None
+    return device
 
 
 def report(error: UserError, usage: str) -> int:

@@ -105,10 +105,10 @@ def run(argv: list[str]) -> int:
     from trainer.log import init_config_logging
 
     init_config_logging()
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
-    from trainer.convert import CommandParser, report
+    from trainer.convert import CommandParser, command_device, help_or_usage, report
+
+    if (status := help_or_usage(argv, __doc__, USAGE)) is not None:
+        return status
 
     parser = CommandParser("python -m trainer.generate", USAGE)
     parser.add_argument("model")
@@ -131,11 +131,7 @@ def run(argv: list[str]) -> int:
 
         from trainer.dtypes import torch_dtype
 
-        device = known.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            torch.empty(0, device=device)
-        except (RuntimeError, AssertionError) as e:  # an unknown device name, or CUDA not available
-            raise UserError(f"--device {device}: not usable here ({one_line(e)[:200]})") from None
+        device = command_device(known.device, ("cpu", "cuda", "xpu", "mps"), "use cpu, cuda, cuda:N (or xpu, mps)")
         began = time.monotonic()
         # The rotary table covers the longest the prompt can be: a token holds at least one byte of text
         # (the tokenizer comes with the model), plus begin-of-text.
@@ -199,8 +195,6 @@ def _check(known) -> None:
         raise UserError(f"--temperature {known.temperature}: must be 0 (greedy) or in 0.01 .. 100")
     if not 0 <= known.seed < 2**63:
         raise UserError(f"--seed {known.seed}: must be in 0 .. 2**63 - 1")
-    if known.device and known.device.split(":")[0] not in ("cpu", "cuda", "xpu", "mps"):
-        raise UserError(f"--device {known.device}: use cpu, cuda, cuda:N (or xpu, mps)")
     if known.top_k < 0:
         raise UserError(f"--top-k {known.top_k}: must be >= 0 (0 = all tokens)")
     if not 0 < known.top_p <= 1:

@@ -172,7 +172,8 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     from trainer.models.registry import model_blocks
     from trainer.parallel.ac import apply_ac
     from trainer.parallel.pipeline_cost import write_cost_file
-    from trainer.plan import build_job_plan, compute_dtype, cost_identity, pipeline_costs
+    from trainer.convert import cast_parameters_
+    from trainer.plan import build_job_plan, compute_dtype, cost_identity, degrees_product, pipeline_costs
 
     p = config.parallelism
     for degree, key in ((p.tensor_parallel_degree, "tensor_parallel_degree"),
@@ -181,14 +182,12 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
             raise ConfigError(f"[parallelism] {key} = {degree}: one device measures the parts unsharded; measure the"
                               f" job with {key} = 1 (a timed pipeline run, --profiling.pipeline_timeline_steps,"
                               " measures a sharded job)")
-    world = p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1) * p.pipeline_parallel_degree
-    plan = build_job_plan(config, world, check_memory=False)
+    plan = build_job_plan(config, degrees_product(config), check_memory=False)
     device = torch.device(device_name)
     dtype = compute_dtype(config.training.mixed_precision_param, device.type)
     model = plan.build_model()
     materialize_(model, device, plan.seed)
-    for parameter in model.parameters():  # as FSDP's mixed precision computes: parameters cast, buffers kept
-        parameter.data = parameter.data.to(dtype)
+    cast_parameters_(model, dtype)  # as FSDP's mixed precision computes: parameters cast, buffers kept
     ac = config.activation_checkpoint
     apply_ac(model, mode=ac.mode, option=ac.selective_ac_option, layers_attr=plan.spec.layers_attr)
     blocks = list(model_blocks(model, plan.spec.layers_attr).values())
@@ -208,8 +207,7 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
                         " [parallelism] pipeline_parallel_microbatch_size, or measure in a timed pipeline run"
                         ) from None
     parts_sum = sum(measured["F"]) + sum(measured["B"])
-    units = pipeline_costs(config, plan.spec, plan.model_args, plan.build_model(), plan.dims, device.type,
-                           relative=True)
+    units = pipeline_costs(config, plan.spec, plan.model_args, model, plan.dims, device.type, relative=True)
     path = Path(out or Path(config.job.dump_folder) / config.profiling.save_traces_folder / "pipeline_costs.json")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     try:
@@ -241,10 +239,10 @@ def run(argv: list[str]) -> int:
     from trainer.log import init_config_logging
 
     init_config_logging()
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
-    from trainer.convert import CommandParser, report
+    from trainer.convert import CommandParser, command_device, help_or_usage, report
+
+    if (status := help_or_usage(argv, __doc__, USAGE)) is not None:
+        return status
 
     parser = CommandParser("python -m trainer.measure_costs", USAGE)
     parser.add_argument("--device", default="")
@@ -254,17 +252,9 @@ def run(argv: list[str]) -> int:
         known, rest = parser.parse_known_args(argv)
         if not 1 <= known.steps <= MAX_STEPS:
             raise UserError(f"--steps {known.steps}: must be in 1 .. {MAX_STEPS}")
-        import torch
-
         from trainer.config import load_config
 
-        device = known.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.split(":")[0] not in ("cpu", "cuda"):
-            raise UserError(f"--device {device}: use cpu, cuda or cuda:N")
-        try:
-            torch.empty(0, device=device)
-        except (RuntimeError, AssertionError) as e:
-            raise UserError(f"--device {device}: not usable here ({one_line(e)[:200]})") from None
+        device = command_device(known.device, ("cpu", "cuda"), "use cpu, cuda or cuda:N")
         config = load_config(overrides=rest)
         _, lines = measure(config, device_name=device, steps=known.steps, out=known.out)
     except UserError as e:
