@@ -40,8 +40,12 @@ class Part(nn.Module):
         return Sleep.apply(x, fwd, i) * WeightSleep.apply(self.w, w)
 
 
-# (forward, input gradient, weight gradient) sleeps in seconds of each part
-SLEEPS = {"pre": (0.01, 0.0, 0.03), "blocks": [(0.04, 0.05, 0.02), (0.06, 0.03, 0.04)], "post": (0.02, 0.06, 0.01)}
+# (forward, input gradient, weight gradient) sleeps in seconds of each part; the embedding has no input gradient
+SLEEPS = {"pre": (0.03, 0.0, 0.04), "blocks": [(0.05, 0.06, 0.03), (0.07, 0.04, 0.05)], "post": (0.03, 0.07, 0.03)}
+# a misplaced mark moves at least the shortest sleep from one part or kind to another; a busy machine only adds
+# time, and a median of three timed steps drops one slow step: each time must be its sleep, at most 10 ms less
+# (W = B - I: a slow I step takes from W) and less than the shortest sleep more
+STEPS, LESS, MORE = 3, 0.01, 0.03
 
 
 class Model(nn.Module):
@@ -60,28 +64,28 @@ class Model(nn.Module):
 def test_each_part_is_timed_alone_in_the_forward_the_backward_and_the_input_gradient():
     """Each part sleeps known times in its forward, its input's gradient and its weight's gradient: the medians
     must be each part's sleep (F: forward; B: both gradients; I: the input's gradient, none for the embedding,
-    whose input is token ids; W: the weight's gradient), never less and less than 15 ms more."""
+    whose input is token ids; W: the weight's gradient), within the margins above."""
     model = Model()
     measured = measure_costs.time_parts(model, list(model.layers.values()), torch.ones(2), None,
-                                        lambda out, labels: out.sum(), steps=2, warmup=1)
+                                        lambda out, labels: out.sum(), steps=STEPS, warmup=1)
     parts = [SLEEPS["pre"], *SLEEPS["blocks"], SLEEPS["post"]]
     expected = {"F": [f for f, _, _ in parts], "B": [i + w for _, i, w in parts],
                 "I": [0.0] + [i for _, i, _ in parts[1:]], "W": [w for _, _, w in parts]}
     for kind in KINDS:
         assert len(measured[kind]) == len(parts), kind
         for got, want, label in zip(measured[kind], expected[kind], ("pre", "block 0", "block 1", "post")):
-            assert want - 0.003 <= got < want + 0.015, (kind, label, got, want)
+            assert want - LESS <= got < want + MORE, (kind, label, got, want)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())  # hooks removed
 
 
 def test_a_whole_microbatch_is_timed_without_marks():
     """The check on the marks' cost: a forward and full backward timed whole is every part's forward and both
-    gradients' sleeps, never less and less than 15 ms more."""
+    gradients' sleeps, never less and less than the shortest sleep more."""
     model = Model()
-    whole = measure_costs.time_whole(model, torch.ones(2), None, lambda out, labels: out.sum(), steps=2, warmup=1)
+    whole = measure_costs.time_whole(model, torch.ones(2), None, lambda out, labels: out.sum(), steps=STEPS, warmup=1)
     parts = [SLEEPS["pre"], *SLEEPS["blocks"], SLEEPS["post"]]
     expected = sum(f + i + w for f, i, w in parts)
-    assert expected - 0.003 <= whole < expected + 0.015, (whole, expected)
+    assert expected <= whole < expected + MORE, (whole, expected)
 
 
 def test_the_fit_keeps_each_measured_part_and_prices_blocks_by_their_units():

@@ -340,7 +340,7 @@ class Part(nn.Module):
 class Chunk(nn.Module):
     def __init__(self, traced: bool = False):
         super().__init__()
-        self.tok, self.out = Part(0.03, 0.04), Part(0.02, 0.05)
+        self.tok, self.out = Part(0.04, 0.05), Part(0.03, 0.06)
         self.layers = nn.ModuleDict({"0": Part(0.06, 0.09), "1": Part(0.08, 0.07)})
         self.traced = traced
 
@@ -371,37 +371,50 @@ def test_each_action_is_timed_before_in_and_after_its_blocks(tmp_path, traced):
     """A stage holding the embedding, two blocks and the output, each part sleeping a known time in its
     forward and its backward: the trace and the calibration receive the lead (before the first block),
     the tail (after the last) and each block's time, each at least its sleep and less than its sleep plus
-    the shortest neighbour's (also when the blocks take another tensor before the hidden state, as
-    traced blocks do)."""
+    the shortest sleep of any part (what a misplaced mark would add or take away; also when the blocks take
+    another tensor before the hidden state, as traced blocks do). A busy machine only ever adds time, so
+    each part's least time over three recorded steps is checked."""
     class Calibration:
+        def __init__(self):
+            self.parts = {}  # (kind, part): seconds per recorded step
+
         def add(self, step, actions, bubbles, span, parts=()):
-            self.parts = {(kind, part): seconds for kind, _, part, seconds in parts}
+            for kind, _, part, seconds in parts:
+                self.parts.setdefault((kind, part), []).append(seconds)
             return "calibrated"
 
+    steps = [1, 2, 3]
     stage, calibration = Stage(traced), Calibration()
-    timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True, calibration=calibration)
+    timeline = PipelineTimeline(steps, tmp_path, rank=0, pp_rank=0, writer=True, calibration=calibration)
     timeline.attach([stage], "layers")
     stage.forward_one_chunk(0, ())  # outside a recorded step: no marks
     stage.backward_one_chunk(0)
-    timeline.begin_step(1)
-    stage.forward_one_chunk(0, ())
-    stage.backward_one_chunk(0)
-    timeline.end_step(1)
-    # (kind, part): (sleep, the least time a neighbouring part's sleep could add if a mark were misplaced)
-    sleeps = {("F", "lead"): 0.03, ("F", "tail"): 0.02, ("B", "lead"): 0.04, ("B", "tail"): 0.05}
+    for step in steps:
+        timeline.begin_step(step)
+        stage.forward_one_chunk(0, ())
+        stage.backward_one_chunk(0)
+        timeline.end_step(step)
+    sleeps = {("F", "lead"): 0.04, ("F", "tail"): 0.03, ("B", "lead"): 0.05, ("B", "tail"): 0.06}
     blocks = {"F": [0.06, 0.08], "B": [0.09, 0.07]}
+    margin = min([*sleeps.values(), *blocks["F"], *blocks["B"]])
     assert set(calibration.parts) == set(sleeps) | {("F", "blocks"), ("B", "blocks")}
+    assert all(len(v) == len(steps) for v in calibration.parts.values())
     for key, sleep in sleeps.items():
-        assert sleep <= calibration.parts[key] < sleep + 0.02, key
-    trace = json.loads((tmp_path / "pipeline_timeline_step1.json").read_text())
-    for e in (e for e in trace["traceEvents"] if e["ph"] == "X"):
-        kind, args = e["cat"], e["args"]
-        for part in ("lead", "tail"):
-            assert sleeps[(kind, part)] <= args[f"{part}_ms"] / 1e3 < sleeps[(kind, part)] + 0.02, (kind, part)
-        assert len(args["blocks_ms"]) == 2
-        for got, sleep in zip(args["blocks_ms"], blocks[kind]):
-            assert sleep <= got / 1e3 < sleep + 0.02, (kind, args["blocks_ms"])
-        assert calibration.parts[(kind, "blocks")] == pytest.approx(sum(args["blocks_ms"]) / 1e3)
+        assert sleep <= min(calibration.parts[key]) < sleep + margin, (key, calibration.parts[key])
+    got = {}  # (kind, part): the part's times over the steps' traces, seconds
+    for step in steps:
+        trace = json.loads((tmp_path / f"pipeline_timeline_step{step}.json").read_text())
+        for e in (e for e in trace["traceEvents"] if e["ph"] == "X"):
+            kind, args = e["cat"], e["args"]
+            assert len(args["blocks_ms"]) == 2
+            for part in ("lead", "tail"):
+                got.setdefault((kind, part), []).append(args[f"{part}_ms"] / 1e3)
+            for i, ms in enumerate(args["blocks_ms"]):
+                got.setdefault((kind, i), []).append(ms / 1e3)
+            assert calibration.parts[(kind, "blocks")][step - 1] == pytest.approx(sum(args["blocks_ms"]) / 1e3)
+    for (kind, part), times in got.items():
+        sleep = blocks[kind][part] if isinstance(part, int) else sleeps[(kind, part)]
+        assert len(times) == len(steps) and sleep <= min(times) < sleep + margin, (kind, part, times)
 
 
 def test_compiled_blocks_are_not_hooked_and_the_run_says_so(tmp_path, caplog):
