@@ -290,7 +290,7 @@ def test_the_loss_after_the_last_stages_forward_is_timed_as_part_of_it(tmp_path)
 
     class Schedule:
         def _loss_fn(self, output, target):
-            time.sleep(0.02)
+            time.sleep(0.06)
             return 0.0
 
     from trainer.parallel.pipeline import wrap_schedule_loss
@@ -307,8 +307,8 @@ def test_the_loss_after_the_last_stages_forward_is_timed_as_part_of_it(tmp_path)
     timeline.end_step(1)
     trace = json.loads((tmp_path / "pipeline_timeline_step1.json").read_text())
     f, b = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert f["name"] == "3F0" and f["dur"] >= 20_000  # microseconds: the 20 ms loss is inside the forward
-    assert b["ts"] >= f["ts"] + f["dur"] and b["dur"] < 20_000
+    assert f["name"] == "3F0" and f["dur"] >= 60_000  # microseconds: the 60 ms loss is inside the forward
+    assert b["ts"] >= f["ts"] + f["dur"] and b["dur"] < 60_000  # an empty backward: wide of a busy machine's pauses
 
 
 # A stage holding the embedding, two blocks and the output, each part sleeping a known time in its forward
