@@ -213,8 +213,15 @@ def predicted_step(plan: JobPlan) -> list[str]:
     others = [c for c in search.best if c.counts != pipeline.counts][:3]
     if others:
         lines.append("Next best: " + "; ".join(f"{_points(c.counts, layers)} {_amount(c.makespan, unit)}"
-                                               f" ({100 * (c.makespan / chosen.makespan - 1):+.1f}%)" for c in others))
+                                               f" ({_signed_percent(c.makespan / chosen.makespan - 1)})"
+                                               for c in others))
     return lines
+
+
+def _signed_percent(fraction: float) -> str:
+    """``fraction`` as a signed percentage with one decimal; a tie within rounding prints +0.0%, not -0.0%."""
+    percent = 100 * fraction
+    return f"{0.0 if abs(percent) < 0.05 else percent:+.1f}%"
 
 
 def _points(counts: tuple[int, ...], layers_attr: str) -> str:

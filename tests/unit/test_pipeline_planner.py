@@ -132,6 +132,15 @@ def test_dry_run_predicts_each_rank_and_compares_given_split_points(tmp_path):
     assert "0.00 " not in text.split("fwd GFLOP/token")[1].split("pp rank")[0]
 
 
+def test_next_best_prints_a_tie_within_rounding_as_plus_zero():
+    """A runner-up a hair below the chosen split (a branch-and-bound tie) reads +0.0%, not -0.0%; real
+    differences keep their sign."""
+    from trainer.dry_run import _signed_percent
+
+    assert _signed_percent(-1e-12) == _signed_percent(1e-12) == _signed_percent(-0.0004) == "+0.0%"
+    assert _signed_percent(-0.051) == "-5.1%" and _signed_percent(0.031) == "+3.1%"
+
+
 def test_flop_model_prices_attention_and_checkpointing():
     """One block of 10 matmul FLOPs and 4 attention FLOPs per token, 3 tokens: F = 42, I = 3 x (10 + 8) = 54,
     W = 30; under activation checkpointing the input-gradient pass runs the forward again (+42)."""
