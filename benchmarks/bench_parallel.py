@@ -4,8 +4,11 @@
     python benchmarks/bench_parallel.py --models 1B --layouts FSDP2 TP2   # on GPUs
 
 Every layout trains the same global batch; the table shows the median step time after
-warm-up, tokens/s over the whole job, and the peak memory of the busiest rank. On a 2-core CPU
+warm-up, the tokens per second at that step, and the peak memory of the busiest rank. On a 2-core CPU
 machine more than two ranks oversubscribe the cores: read those step times as an upper bound.
+This machine's speed drifts over minutes, so with --repeats N the cases run in N passes, every
+other pass in reverse order (no case always runs early or late): a case's step is the median over
+its passes, and the table also gives its slowest pass over its fastest.
 """
 
 import argparse
@@ -65,6 +68,11 @@ def launch_job(nproc: int, args: list[str], tmp: Path, tag: str, threads: int | 
     return [json.loads((tmp / f"{out.name}{r}").read_text()) for r in range(nproc)]
 
 
+def alternating(cases: list, repeats: int) -> list:
+    """``cases`` ``repeats`` times over, every other pass reversed."""
+    return [case for p in range(repeats) for case in (cases if p % 2 == 0 else cases[::-1])]
+
+
 def run(model: str, layout: str, steps: int, tmp: Path) -> dict:
     flavor, global_batch, seq = MODELS[model]
     nproc, overrides = LAYOUTS[layout]
@@ -87,21 +95,33 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["debugmodel", "270M"], choices=list(MODELS))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=1, help="passes over the cases, every other one reversed")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    rows = []
+    cases = [(model, layout) for model in args.models for layout in args.layouts]
+    runs: dict[tuple[str, str], list[dict]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory() as tmp:
-        for model in args.models:
-            for layout in args.layouts:
-                rows.append(run(model, layout, args.steps, Path(tmp)))
-                r = rows[-1]
-                print(f"| {r['model']} | {r['layout']} | {r['ranks']} | {r['median_step_s']:.3f} | "
-                      f"{r['tokens_per_s']:.0f} | {r['peak_mem_gib_max_rank']:.2f} |", flush=True)
+        for model, layout in alternating(cases, args.repeats):
+            r = run(model, layout, args.steps, Path(tmp))
+            runs[(model, layout)].append(r)
+            print(f"  {model} {layout}: {r['median_step_s']:.3f} s", file=sys.stderr, flush=True)
+    rows = []
+    for case in cases:
+        passes = runs[case]
+        steps = [r["median_step_s"] for r in passes]
+        median = statistics.median(steps)
+        rows.append({**passes[0], "median_step_s": median, "pass_steps_s": steps,
+                     "tokens_per_s": MODELS[case[0]][1] * MODELS[case[0]][2] / median,
+                     "peak_mem_gib_max_rank": max(r["peak_mem_gib_max_rank"] for r in passes)})
+        r = rows[-1]
+        print(f"| {r['model']} | {r['layout']} | {r['ranks']} | {median:.3f} | {max(steps) / min(steps):.3f} | "
+              f"{r['tokens_per_s']:.0f} | {r['peak_mem_gib_max_rank']:.2f} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
-    print("| model | layout | ranks | median step (s) | tokens/s (job) | peak memory, max rank (GiB) |")
-    print("|---|---|---|---|---|---|")
+    print("| model | layout | ranks | median step (s) | slowest / fastest pass | tokens/s at the median step"
+          " | peak memory, max rank (GiB) |")
+    print("|---|---|---|---|---|---|---|")
     main()

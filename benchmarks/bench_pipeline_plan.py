@@ -27,7 +27,8 @@ first and last case (this machine's noise, the floor under those errors), and ho
 paired ratio is from the calibrated prediction of its step over the planner's. A second table: the bubble's
 error with the costs of each part timed in one process (``python -m trainer.measure_costs``, run before each
 launch) and the split those costs choose. A third table: a block's
-measured time on ranks that waited much against ranks that hardly waited. With --json, each split's
+measured time on ranks that waited much against ranks that hardly waited; a fourth: the calibrated
+bubble's signed error by how much a rank was predicted to wait (the bias under the noise). With --json, each split's
 row also holds each rank's busy time per step, measured and as the calibrated costs predict it, and
 its time per block.
 """
@@ -275,6 +276,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "bubble_err_one_device": (statistics.mean(err["one_device"]), max(err["one_device"])),
             "one_device_pick": points(one_device_pick["counts"]), "one_device_pick_paired": one_device_pick["paired"],
             "slower_when_waiting": slower_when_waiting(rows),
+            "bias_by_wait": bias_by_wait(rows),
             "self_paired": (min(self_paired), max(self_paired)) if self_paired else (1.0, 1.0),
             "planner_spread": (min(planner_cases) / statistics.median(planner_cases),
                                max(planner_cases) / statistics.median(planner_cases), len(planner_cases)),
@@ -296,6 +298,21 @@ def per_block(dump: Path, steps: list[int]) -> dict[str, list[float]]:
                 acc[0] += sum(e["args"]["blocks_ms"]) / 1e3
                 acc[1] += len(e["args"]["blocks_ms"])
     return {k: [t / n if n else float("nan") for t, n in v] for k, v in total.items()}
+
+
+WAIT_BANDS = ((0.0, 0.15), (0.15, 0.30), (0.30, 1.0))
+
+
+def bias_by_wait(rows: list[dict]) -> list[tuple[float, int]]:
+    """The calibrated prediction's signed bubble error (measured minus predicted, points) by how much a rank
+    was predicted to wait (WAIT_BANDS of the predicted bubble), over every split and rank of a group: (mean,
+    how many rank-splits) per band. Noise averages out here; what stays is bias the costs do not model."""
+    out = []
+    for low, high in WAIT_BANDS:
+        errors = [100 * (r["measured"][i] - r["after"][i]) for r in rows for i in range(2)
+                  if low <= r["after"][i] < high]
+        out.append((statistics.mean(errors) if errors else float("nan"), len(errors)))
+    return out
 
 
 def slower_when_waiting(rows: list[dict]) -> dict[str, tuple[float, float, int, int]]:
@@ -386,6 +403,13 @@ def main() -> None:
         cells = [f"{1e3 * b:.2f} ({nb}) / {1e3 * w:.2f} ({nw}) ({w / b:.3f})"
                  for b, w, nb, nw in (r["slower_when_waiting"][k] for k in ("forward", "backward"))]
         print(f"| {r['model']} | {r['schedule']} | {cells[0]} | {cells[1]} |")
+    print("\nThe calibrated bubble's signed error (measured minus predicted, points: mean over the rank-splits, how"
+          " many) by how much the calibrated costs predict a rank to wait:\n")
+    print("| model | schedule | " + " | ".join(f"predicted {100 * lo:.0f}-{100 * hi:.0f}%" for lo, hi in WAIT_BANDS)
+          + " |\n|---|---|" + "---:|" * len(WAIT_BANDS))
+    for r in results:
+        print(f"| {r['model']} | {r['schedule']} | "
+              + " | ".join(f"{mean:+.1f} ({n})" if n else "none" for mean, n in r["bias_by_wait"]) + " |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=list))
 
