@@ -11,14 +11,18 @@ token costs one position's forward (plus attention over the cached keys).
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from trainer.config.schema import Model
-from trainer.generate import generate
-from trainer.models import get_model_spec, resolve_model_args
-from trainer.models.init import materialize_
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from trainer.config.schema import Model  # noqa: E402
+from trainer.generate import generate  # noqa: E402
+from trainer.models import get_model_spec, resolve_model_args  # noqa: E402
+from trainer.models.init import materialize_  # noqa: E402
 
 
 def build(flavor: str, length: int, device: str):

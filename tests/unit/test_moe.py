@@ -306,6 +306,8 @@ def test_expert_dispatch_returns_each_row_computed_by_its_expert_in_its_own_plac
     script = tmp_path / "dispatch.py"
     script.write_text(EP_DISPATCH)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=120)
+                           str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          # the script lives in tmp_path: the trainer from this checkout, installed or not
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stderr[-2000:]
