@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="passes over the cases, every other one reversed")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least one pass")
     cases = [(model, layout) for model in args.models for layout in args.layouts]
     runs: dict[tuple[str, str], list[dict]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory() as tmp:

@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="passes over the cases, every other one reversed")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least one pass")
     steps = ["--training.steps", str(args.steps)]
     timed = list(range(args.warmup + 1, args.steps + 1))
     cases = [("single", 1)] + [(schedule, pp) for pp in args.pp for schedule in args.schedules]
