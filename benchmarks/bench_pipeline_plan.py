@@ -5,32 +5,37 @@
 
 For each model (the 6-block debug model; a 12-block Llama with a 32k vocabulary, whose output
 projection costs about ten blocks) and schedule (1F1B, Interleaved1F1B, ZBVZeroBubble,
-DualPipeV at pp 2), one torchrun launch trains every contiguous split the schedule allows (where
-there are more than --max-splits, the best 10 by the planner's prediction plus 10 random ones),
-each for --steps steps with the pipeline timeline on the steps after --warmup, after a discarded
-warm-up case, in --repeats passes, each in a seeded shuffled order, with the planner's own split
-after every case (a split's figures are the medians over its cases of each case's median over its
-timed steps). The planner's split also runs first; its timeline's measured costs
-(pipeline_costs.json) calibrate the predictions of every other split. This machine's speed drifts
-over a launch (the 32k-vocabulary output part ran 30% faster for ten minutes of one launch while
-the blocks kept their pace), so each case is also compared with the planner's runs on either side
-of it: its step over their mean ("paired"), the median over its cases. The planner's first and
-last cases show that noise on one split, and a table gives its floor: the planner's own inner cases
-paired with its runs two cases either side. Reported
-per model and schedule: the best measured split against the planner's (the planner's step / the best
-step; and the lowest paired ratio), the old stage-balanced split (split_mode flops) against the
-planner's, and the predicted bubble per rank against the measured one before and after calibration
-(mean and worst absolute difference in points over the splits measured; "after" also as the calibration would be with no
-block boundaries timed and with only the first stage's lead and the last stage's tail, fitted again
-from the same recorded actions), and how far the planner's split's measured bubble moved between its
-first and last case (this machine's noise, the floor under those errors), and how far each split's
-paired ratio is from the calibrated prediction of its step over the planner's. A second table: the bubble's
-error with the costs of each part timed in one process (``python -m trainer.measure_costs``, run before each
-launch) and the split those costs choose. A third table: a block's
-measured time on ranks that waited much against ranks that hardly waited; a fourth: the calibrated
-bubble's signed error by how much a rank was predicted to wait (the bias under the noise). With --json, each split's
-row also holds each rank's busy time per step, measured and as the calibrated costs predict it, and
-its time per block.
+DualPipeV at pp 2), one torchrun launch builds a trainer for every contiguous split the schedule
+allows (where there are more than --max-splits, the best 10 by the planner's prediction plus 10
+random ones) and the old stage-balanced split, and alternates their steps: after --warmup
+discarded steps of each, --repeats rounds in which every split takes one step, in a seeded
+shuffled order, with a step of the planner's split after each, the pipeline timeline recording
+every measured step. This machine's speed drifts over seconds and minutes; steps about a second
+apart see the same machine, and every split's steps are spread over the whole launch, so a split's
+median step is comparable with the planner's, and its step over the planner's steps on either side
+of it ("paired", the median over its rounds) cancels the drift. The planner's steps over the launch
+calibrate the predictions (its recorded actions fitted as ``pipeline_costs.json`` is), and a table
+gives the noise floor: each of the planner's steps paired with its own steps either side.
+
+Reported per model and schedule: the best measured split against the planner's (the planner's
+median step / the best median step; and the lowest paired ratio), the old stage-balanced split
+(split_mode flops) against the planner's, and the predicted bubble per rank against the measured
+one (the median over a split's steps) before and after calibration (mean and worst absolute
+difference in points over the splits measured; "after" also as the calibration would be with no
+block boundaries timed and with only the first stage's lead and the last stage's tail), how far
+the planner's split's measured bubble moved between the first and the last round (this machine's
+noise, the floor under those errors), and how far each split's paired ratio is from the calibrated
+prediction of its step over the planner's. A second table: the bubble's error with the costs of
+each part timed in one process (``python -m trainer.measure_costs``, run before each launch) and the
+split those costs choose. A third table: a block's measured time on ranks that waited much against
+ranks that hardly waited; a fourth: the calibrated bubble's signed error by how much a rank was
+predicted to wait (the bias under the noise). With --json, each split's row also holds its measured
+steps, each rank's busy time per step, measured and as the calibrated costs predict it, and its time
+per block.
+
+Earlier versions ran each split as its own training (a case of several steps, rebuilt each time),
+with the planner's split between cases; the planner's split paired with itself 0.69-0.86 at its
+lowest on a noisy day (docs/performance.md keeps those tables).
 """
 
 import argparse
@@ -60,18 +65,44 @@ COMMON = ["--training.steps", "{steps}", "--lr_scheduler.warmup_steps", "1", "--
 SCHEDULES = {"1F1B": 1, "Interleaved1F1B": 2, "ZBVZeroBubble": 2, "DualPipeV": 2}
 
 WORKER = '''
-import json, os, sys
+import gc, json, logging, os, sys
 from pathlib import Path
 sys.path.insert(0, {repo!r})
-from tests.distributed.worker import forget_meshes, in_namespace
+import torch.distributed as dist
 from trainer.config import load_config
-from trainer.train import main
-for i, case in enumerate(json.loads(Path(sys.argv[1]).read_text())):
-    in_namespace(f"case{{i}}")
-    r = main(load_config(overrides=case["args"]))
-    if os.environ.get("RANK", "0") == "0":
-        Path(case["out"]).write_text(json.dumps({{"step_times": r.step_times}}))
-    forget_meshes()
+from trainer.env import init_device
+from trainer.log import init_logging
+from trainer.parallel.mesh import init_distributed
+from trainer.plan import build_job_plan
+from trainer.train import build_trainer, prepare_folders, run_step
+spec = json.loads(Path(sys.argv[1]).read_text())
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+init_logging(logging.WARNING)
+device = init_device(int(os.environ["LOCAL_RANK"]))
+runs = []
+for args in spec["runs"]:  # one trainer per split, all built before any step
+    plan = build_job_plan(load_config(overrides=args), world)
+    if not dist.is_initialized():
+        init_distributed(device, plan.config.comm.init_timeout_seconds)
+    prepare_folders(plan.config)
+    run = build_trainer(plan, device, rank == plan.reporting_rank)
+    if run.timeline is not None:
+        run.timeline.calibration = None  # the benchmark fits the planner's costs from its traces itself
+    runs.append(run)
+done, seconds = [0] * len(runs), []
+gc.disable()  # as train_loop: collected at known points, between steps
+for k, i in enumerate(spec["order"]):
+    if k % 20 == 0:
+        gc.collect(1)
+    done[i] += 1
+    seconds.append(run_step(runs[i], done[i], first=done[i] == 1).seconds)
+gc.enable()
+for run in runs:
+    run.metrics.close()
+    run.loader.close()
+if rank == 0:
+    Path(spec["out"]).write_text(json.dumps(seconds))
+dist.destroy_process_group()
 '''
 
 
@@ -119,7 +150,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
 
     from trainer.train import build_calibration
 
-    base = MODELS[model] + [a.format(steps=args.steps) for a in COMMON] + [
+    base = MODELS[model] + [a.format(steps=100) for a in COMMON] + [
         "--parallelism.pipeline_parallel_schedule", schedule]
     plan = load(base)
     old = load(base + ["--parallelism.pipeline_parallel_split_mode", "flops"])
@@ -133,29 +164,29 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         chosen = ranked[:10] + rest[:10]
     else:
         chosen = every
-    # The planner's split runs first (its timeline calibrates the predictions) and again after every other
-    # case, the others in a fresh seeded order each pass: this machine's speed drifts over a launch (in
-    # one launch the 32k-vocabulary output part ran 30% faster for ten minutes while the blocks kept
-    # their pace), so each case is also compared with the planner's runs on either side of it.
-    others = [c for c in dict.fromkeys([old.pipeline.counts, *chosen]) if c != p.counts]
-    order = [p.counts]
+    # Every split gets its own trainer, all built in one launch, and their steps alternate: the planner's
+    # split after every other split's step, the others in a fresh seeded order each round. This machine's
+    # speed drifts over seconds and minutes (in one launch the 32k-vocabulary output part ran 30% faster for
+    # ten minutes while the blocks kept their pace); steps a second apart see the same machine, and every
+    # split's steps are spread over the whole launch, so their medians are comparable.
+    runs = [p.counts] + [c for c in dict.fromkeys([old.pipeline.counts, *chosen]) if c != p.counts]
+    order = [i for i in range(len(runs)) for _ in range(args.warmup)]  # each trainer's first steps: discarded
+    order.append(0)
     rng = random.Random(1)
     for _ in range(args.repeats):
-        for counts in rng.sample(others, len(others)):
-            order += [counts, p.counts]
-    timed = list(range(args.warmup + 1, args.steps + 1))
-    cases = []
-    for i, counts in enumerate(order):
-        dump = tmp / f"{model}_{schedule}_{i}"
-        cases.append({"out": str(dump) + ".json", "counts": counts, "dump": str(dump), "args": base + [
-            "--parallelism.pipeline_parallel_split_points", points(counts), "--job.dump_folder", str(dump),
-            "--profiling.pipeline_timeline_steps", ",".join(map(str, timed))]})
-    # The first case of a launch runs slower (thread pools, allocator, first collectives): a discarded
-    # warm-up case of the planner's split goes before the measured ones.
-    warm = dict(cases[0], out=cases[0]["out"] + ".warmup", dump=cases[0]["dump"] + "_warmup")
-    warm["args"] = [a if a != cases[0]["dump"] else warm["dump"] for a in warm["args"]]
+        for i in rng.sample(range(1, len(runs)), len(runs) - 1):
+            order += [i, 0]
+    totals = [order.count(i) for i in range(len(runs))]
+    timed = {i: list(range(args.warmup + 1, totals[i] + 1)) for i in range(len(runs))}  # each run's measured steps
+    dumps = [tmp / f"{model}_{schedule}_{i}" for i in range(len(runs))]
     spec = tmp / f"{model}_{schedule}.json"
-    spec.write_text(json.dumps([warm] + cases))
+    out = tmp / f"{model}_{schedule}_steps.json"
+    # --training.steps: the most steps any trainer takes (the learning-rate schedule's length)
+    base = MODELS[model] + [a.format(steps=max(totals)) for a in COMMON] + [
+        "--parallelism.pipeline_parallel_schedule", schedule]
+    spec.write_text(json.dumps({"out": str(out), "order": order, "runs": [base + [
+        "--parallelism.pipeline_parallel_split_points", points(counts), "--job.dump_folder", str(dumps[i]),
+        "--profiling.pipeline_timeline_steps", ",".join(map(str, timed[i]))] for i, counts in enumerate(runs)]}))
     worker = tmp / "worker.py"
     worker.write_text(WORKER.format(repo=str(REPO)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -167,13 +198,22 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                                "--out", str(one_device)], cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
-    if not (args.reuse and all(Path(c["out"]).exists() for c in cases)):
+    if not (args.reuse and out.exists()):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                str(worker), str(spec)], cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
+    seconds = json.loads(out.read_text())
+    # the measured steps in launch order: (run, its step number, seconds)
+    seen = [0] * len(runs)
+    sequence = []
+    for i, t in zip(order, seconds, strict=True):
+        seen[i] += 1
+        if seen[i] > args.warmup:
+            sequence.append((i, seen[i], t))
+    steps_of = {i: [t for j, _, t in sequence if j == i] for i in range(len(runs))}
     program = program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank)
-    # The calibration from the planner's first case's recorded actions, and as it would be with fewer
+    # The calibration from the planner's recorded actions over the launch, and as it would be with fewer
     # boundaries timed: none (each stage divided as the FLOP model does), and only the first
     # stage's lead and the last stage's tail (the embedding and the output with the per-action cost in
     # them: what the previous version timed).
@@ -182,74 +222,59 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     def refit(name: str, keep) -> Simulator:
         folder = tmp / f"{model}_{schedule}_{name}"
         calibration = build_calibration(plan, torch.device("cpu"), folder, program)
-        for step in timed:
-            trace = json.loads((Path(cases[0]["dump"]) / "profile_traces" / f"pipeline_timeline_step{step}.json")
-                               .read_text())
+        actions, parts, spans = [], [], []
+        for step in timed[0]:
+            trace = json.loads((dumps[0] / "profile_traces" / f"pipeline_timeline_step{step}.json").read_text())
             events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-            actions = [(e["args"]["action"], e["args"]["stage"], e["dur"] / 1e6) for e in events]
-            parts = [(a["action"], a["stage"], part, a[f"{part}_ms"] / 1e3) for a in (e["args"] for e in events)
-                     for part in ("lead", "tail") if f"{part}_ms" in a and keep(a["stage"], part)]
-            calibration.add(step, actions, {}, trace["otherData"]["span_us"] / 1e6, parts)
+            actions += [(e["args"]["action"], e["args"]["stage"], e["dur"] / 1e6) for e in events]
+            parts += [(a["action"], a["stage"], part, a[f"{part}_ms"] / 1e3) for a in (e["args"] for e in events)
+                      for part in ("lead", "tail") if f"{part}_ms" in a and keep(a["stage"], part)]
+            spans.append(trace["otherData"]["span_us"] / 1e6)
+        # one call with every step's actions: the fit takes per-action means, the transfer the median span
+        calibration.add(timed[0][-1], actions, {}, statistics.median(spans), parts)
         return Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
                                       str(folder / "pipeline_costs.json")]).pipeline_costs, program)
 
-    # the calibration the run wrote (pipeline_costs.json), fitted again by this code from the same steps,
-    # so that --reuse reports the current fit
     csim = refit("all_boundaries", lambda stage, part: True)
     wsim = refit("whole_stages", lambda stage, part: False)
     esim = refit("ends_only", lambda stage, part: (stage, part) in ((0, "lead"), (last, "tail")))
     osim = Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file", str(one_device)]).pipeline_costs,
                      program)
-    # Each split's step and bubbles over its cases (the planner's: its first case, which the calibration
-    # measured, and its last)
-    by_split: dict[tuple[int, ...], list[dict]] = {}
-    for case in cases:
-        by_split.setdefault(tuple(case["counts"]), []).append(case)
     rows = []
-    for counts, runs in by_split.items():
-        steps = [json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:] for c in runs]
-        # each case's median, then the median over the cases: one case in a fast or slow stretch of the
-        # machine does not decide the split's figure (pooling the steps let two adjacent cases do so)
-        case_bubbles = [measured_bubbles([Path(c["dump"])], timed) for c in runs]
-        rows.append({"counts": counts, "step": statistics.median(statistics.median(s) for s in steps),
-                     "pooled_step": statistics.median(t for s in steps for t in s), "cases": len(runs),
-                     "case_steps": [statistics.median(s) for s in steps],
-                     "measured": [statistics.median(b[r] for b in case_bubbles) for r in range(2)],
+    for i, counts in enumerate(runs):
+        rows.append({"counts": counts, "step": statistics.median(steps_of[i]), "cases": len(steps_of[i]),
+                     "case_steps": steps_of[i],
+                     "measured": measured_bubbles([dumps[i]], timed[i]),
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
                      "after_whole_stages": predicted_bubbles(wsim, counts),
                      "after_ends_only": predicted_bubbles(esim, counts),
                      "one_device": predicted_bubbles(osim, counts), "one_device_s": osim.predict(counts).makespan,
-                     # each rank's mean seconds per block and microbatch, forward and backward (B or I),
-                     # the median over the split's cases
-                     "block_s": {k: [statistics.median(b[k][r] for b in [per_block(Path(c["dump"]), timed)
-                                                                         for c in runs]) for r in range(2)]
-                                 for k in ("forward", "backward")},
+                     # each rank's mean seconds per block and microbatch, forward and backward (B or I)
+                     "block_s": per_block(dumps[i], timed[i]),
                      "predicted_s": csim.predict(counts).makespan,
                      # each rank's busy seconds per step, measured and as the calibrated costs predict them
-                     "busy": [statistics.median(b[r] for b in [measured_busy(Path(c["dump"]), timed) for c in runs])
-                              for r in range(2)],
-                     "busy_predicted": list(csim.predict(counts).busy)})
-    case_step = [statistics.median(json.loads(Path(c["out"]).read_text())["step_times"][args.warmup:])
-                 for c in cases]
-    first, again = case_step[0], case_step[-1]
-    # the same split measured at the launch's start and end: how far its bubbles move is this machine's
+                     "busy": measured_busy(dumps[i], timed[i]), "busy_predicted": list(csim.predict(counts).busy)})
+    # the planner's split in the first and the last round: how far its step and bubbles move is this machine's
     # noise, the floor under any prediction's error
-    first_bubbles, again_bubbles = (measured_bubbles([Path(c["dump"])], timed) for c in (cases[0], cases[-1]))
+    per_round = len(runs) - 1  # the planner's steps in a round (the first round has one more, before its first split)
+    own = steps_of[0]
+    first, again = statistics.median(own[:per_round + 1]), statistics.median(own[-per_round:])
+    first_bubbles, again_bubbles = (measured_bubbles([dumps[0]], steps) for steps in (timed[0][:per_round + 1],
+                                                                                       timed[0][-per_round:]))
     noise = max(abs(a - b) * 100 for a, b in zip(first_bubbles, again_bubbles))
-    # each split's step over the planner's on either side of it, the median over its cases (below 1: faster)
-    paired: dict[tuple[int, ...], list[float]] = {}
-    for i in range(1, len(cases) - 1):
-        if tuple(cases[i]["counts"]) != p.counts:
-            paired.setdefault(tuple(cases[i]["counts"]), []).append(
-                case_step[i] / ((case_step[i - 1] + case_step[i + 1]) / 2))
-    for row in rows:
-        row["paired"] = statistics.median(paired[row["counts"]]) if row["counts"] in paired else 1.0
-    # the noise floor under a paired ratio: each of the planner's inner cases against its own runs two cases
-    # either side (the same split, so 1 but for this machine's noise)
-    own = [i for i, c in enumerate(cases) if tuple(c["counts"]) == p.counts]
-    self_paired = [case_step[own[k]] / ((case_step[own[k - 1]] + case_step[own[k + 1]]) / 2)
-                   for k in range(1, len(own) - 1)]
-    planner_cases = [case_step[i] for i in own]
+    # each split's step over the planner's steps either side of it (a second or so apart), the median over
+    # its rounds (below 1: faster)
+    paired: dict[int, list[float]] = {}
+    for k in range(1, len(sequence) - 1):
+        if sequence[k][0] != 0:
+            beside = (sequence[k - 1][2] + sequence[k + 1][2]) / 2
+            paired.setdefault(sequence[k][0], []).append(sequence[k][2] / beside)
+    for i, row in enumerate(rows):
+        row["paired"] = statistics.median(paired[i]) if i in paired else 1.0
+    # the noise floor under a paired ratio: each of the planner's inner steps against its own steps either side
+    # (one other split's step between: the same split, so 1 but for this machine's noise)
+    self_paired = [own[k] / ((own[k - 1] + own[k + 1]) / 2) for k in range(1, len(own) - 1)]
+    planner_cases = own
     best = min(rows, key=lambda r: r["step"])
     best_paired = min(rows, key=lambda r: r["paired"])
     # how well the calibrated costs predict each split's step relative to the planner's: against the paired
@@ -332,26 +357,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="each trainer's first steps, not measured")
     parser.add_argument("--max-splits", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="passes over the splits in one launch, each in a seeded shuffled order with the"
-                             " planner's split after every case; each split's figures are the medians over its"
-                             " passes")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="rounds: in each, every split's trainer takes one step, in a seeded shuffled order,"
+                             " the planner's split a step after each; a split's figures are medians over its rounds")
     parser.add_argument("--json", type=Path, help="also write every row here")
     parser.add_argument("--reuse", action="store_true",
                         help="with --keep: report from the cases a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     args = parser.parse_args()
+    for name in ("warmup", "max_splits", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
     if args.reuse and not args.keep:
         parser.error("--reuse reports from the cases kept by an earlier --keep run: name that folder with --keep")
     results = []
-    print("| model | schedule | splits (measured) | planner's split: step | same split: first / last case"
+    print("| model | schedule | splits (measured) | planner's split: step | same split: first / last round"
           " | best measured split: step | planner/best | best paired: step over the planner's on either side"
           " | old flops split: step | old/planner | paired | calibrated pick: step"
           " | bubble error before calibration, mean/worst (points) | after | after, no boundaries timed"
-          " | after, only the first and last stages' own parts | same split twice: bubble moved (points)"
+          " | after, only the first and last stages' own parts | first / last round: bubble moved (points)"
           " | paired ratio against the calibrated prediction's, mean/worst (%) |")
     print("|---|---|---|---|---|---|---:|---|---|---:|---:|---|---|---|---|---|---:|---|")
     with tempfile.TemporaryDirectory() as scratch:
@@ -376,10 +402,10 @@ def main() -> None:
                       f" | {r['bubble_err_after_ends_only'][0]:.1f} / {r['bubble_err_after_ends_only'][1]:.1f}"
                       f" | {r['bubble_noise']:.1f}"
                       f" | {r['paired_vs_predicted'][0]:.1f} / {r['paired_vs_predicted'][1]:.1f} |", flush=True)
-    print("\nThis machine's noise: the planner's split over its cases (its case medians' lowest and highest over"
-          " their median), and each of its inner cases paired with its own runs two cases either side (the same"
-          " split: a paired ratio this far from 1 is noise):\n")
-    print("| model | schedule | planner's cases | lowest / highest over the median | paired with itself: lowest /"
+    print("\nThis machine's noise: the planner's split over its steps (the lowest and highest over their median),"
+          " and each of its inner steps paired with its own steps either side (the same split, one other split's"
+          " step between: a paired ratio this far from 1 is noise):\n")
+    print("| model | schedule | planner's steps | lowest / highest over the median | paired with itself: lowest /"
           " highest |\n|---|---|---:|---|---|")
     for r in results:
         low, high, n = r["planner_spread"]

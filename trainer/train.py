@@ -2,7 +2,8 @@
 
 ``main`` is callable in-process (tests do) and returns the per-step losses and grad norms.
 Reading order: ``main`` -> ``build_trainer`` (everything a run needs, built once) ->
-``train_loop`` (the steps) -> ``train_step`` (one step).
+``train_loop`` (the steps) -> ``run_step`` (one step: batch, ``train_step``, learning rate) -> ``train_step``
+(forward/backward over the microbatches, clip, update).
 """
 
 import contextlib
@@ -305,6 +306,50 @@ def gather_over_pipeline(values: dict[str, float], meshes: Meshes) -> dict[str, 
     return {k: v for part in gathered for k, v in part.items()}
 
 
+@dataclass
+class StepDone:
+    """What one step of ``run_step`` left: its loss, grad norm and seconds (data loading included)."""
+
+    loss: float
+    grad_norm: float
+    seconds: float
+    tokens: int  # the replica's tokens this step
+    bubbles: dict[int, float] | None  # measured per pp rank, on the writer, for a recorded timeline step
+    activation_peaks: list[int] | None  # every rank's saved-activation peak, for a metered step
+
+
+def run_step(run: Trainer, step: int, *, first: bool, observer: StepObserver | None = None,
+             progress: Callable[[], None] = lambda: None) -> StepDone:
+    """One training step of ``run``: load the step's batch, forward/backward, update, advance the learning rate.
+
+    ``first``: the run's first step here (techniques that did not take effect stop every rank after it).
+    The loop around it (``train_loop``) logs, evaluates and checkpoints; a benchmark may alternate the
+    steps of several trainers built in one launch."""
+    config = run.plan.config
+    start = time.perf_counter()
+    microbatches, kwargs = on_device(run.loader.next_step(), run.device, run.model_kwargs)
+    if run.timeline is not None:
+        run.timeline.begin_step(step)
+    microbatches = run.parts.shard_batch(microbatches)  # this rank's part of each sequence (CP)
+    metered = step in config.profiling.activation_memory_steps
+    with SavedActivationMeter(run.parts.chunks) if metered else contextlib.nullcontext() as meter:
+        loss, grad_norm = train_step(
+            run.parts, run.optimizers, microbatches, max_norm=config.training.max_norm, autocast=run.autocast,
+            step_context=run.step_context, meshes=run.meshes,
+            on_grads=None if observer is None else (lambda: observer.on_grads(step, run.parts)),
+            progress=progress, model_kwargs=kwargs,
+        )
+    peaks = report_activation_peaks(run, step, meter.peak) if metered else None
+    if first:
+        run.parts.after_first_step()  # a technique that did not take effect stops every rank here
+    run.optimizers.lr_step()
+    loss_value, norm_value = loss.item(), grad_norm.item()  # .item() waits for the device
+    seconds = time.perf_counter() - start
+    bubbles = run.timeline.end_step(step) if run.timeline is not None else None
+    tokens = sum(x.numel() for x, _ in microbatches) * run.plan.dims.cp  # the replica's tokens
+    return StepDone(loss_value, norm_value, seconds, tokens, bubbles, peaks)
+
+
 def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResult:
     """Resume if a checkpoint exists, then train to ``[training] steps`` (or ``stop_at_step``)."""
     config = run.plan.config
@@ -324,28 +369,14 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             if step % config.training.gc_freq == 0:
                 gc.collect(1)
             lr = run.optimizers.lr
-            start = time.perf_counter()
-            microbatches, kwargs = on_device(run.loader.next_step(), run.device, run.model_kwargs)
-            if run.timeline is not None:
-                run.timeline.begin_step(step)
-            microbatches = run.parts.shard_batch(microbatches)  # this rank's part of each sequence (CP)
-            metered = step in config.profiling.activation_memory_steps
-            with SavedActivationMeter(run.parts.chunks) if metered else contextlib.nullcontext() as meter:
-                loss, grad_norm = train_step(
-                    run.parts, run.optimizers, microbatches, max_norm=config.training.max_norm, autocast=run.autocast,
-                    step_context=run.step_context, meshes=run.meshes,
-                    on_grads=None if observer is None else (lambda: observer.on_grads(step, run.parts)),  # noqa: B023
-                    progress=watchdog.beat if watchdog is not None else (lambda: None), model_kwargs=kwargs,
-                )
-            if metered:
-                result.activation_peaks[step] = report_activation_peaks(run, step, meter.peak)
-            if step == start_step + 1:
-                run.parts.after_first_step()  # a technique that did not take effect stops every rank here
-            run.optimizers.lr_step()
-            loss_value, norm_value = loss.item(), grad_norm.item()  # .item() waits for the device
-            result.step_times.append(time.perf_counter() - start)
-            if run.timeline is not None and (bubbles := run.timeline.end_step(step)) is not None:
-                result.pipeline_bubbles[step] = bubbles
+            done = run_step(run, step, first=step == start_step + 1, observer=observer,
+                            progress=watchdog.beat if watchdog is not None else (lambda: None))
+            loss_value, norm_value = done.loss, done.grad_norm
+            result.step_times.append(done.seconds)
+            if done.activation_peaks is not None:
+                result.activation_peaks[step] = done.activation_peaks
+            if done.bubbles is not None:
+                result.pipeline_bubbles[step] = done.bubbles
             if run.profiler is not None:
                 run.profiler.step(step)
             if not math.isfinite(loss_value):  # the loss is all-reduced: every rank stops here
@@ -360,8 +391,7 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             result.losses.append(loss_value)
             result.grad_norms.append(norm_value)
             result.lrs.append(lr)
-            tokens = sum(x.numel() for x, _ in microbatches) * run.plan.dims.cp  # the replica's tokens
-            run.metrics.log(StepStats(step, loss_value, norm_value, lr), tokens)
+            run.metrics.log(StepStats(step, loss_value, norm_value, lr), done.tokens)
             if run.evaluator is not None and run.evaluator.should_run(step, last_step):
                 evaluation = run.evaluator.run(
                     run.parts, run.meshes, run.device, autocast=run.autocast, step_context=run.step_context,
