@@ -12,6 +12,8 @@ import argparse
 import statistics
 import time
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -47,12 +49,12 @@ def timed(fn, make, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--batch", type=at_least(1), default=8)
+    parser.add_argument("--seq", type=at_least(1), default=256)
+    parser.add_argument("--heads", type=at_least(1), default=16)
+    parser.add_argument("--kv-heads", type=at_least(1), default=8)
+    parser.add_argument("--head-dim", type=at_least(1), default=16)
+    parser.add_argument("--repeats", type=at_least(1), default=20)
     a = parser.parse_args()
     b, s, h, kv, d = a.batch, a.seq, a.heads, a.kv_heads, a.head_dim
 

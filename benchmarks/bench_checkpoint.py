@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainer.checkpoint as ckpt  # noqa: E402
@@ -70,7 +72,7 @@ def run(case: str, mode: str, verify: bool, steps: int, tmp: Path) -> dict:
 def main_cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=at_least(1), default=5)
     args = parser.parse_args()
     print("| model | mode | checksums | checkpoint size (MiB) | loop blocked per save (s) | train step (s) |"
           " load (s) |\n|---|---|---|---|---|---|---|")

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import at_least, check_timed_steps  # benchmarks/arguments.py, beside this script
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_parallel import REPO, launch_job  # noqa: E402
@@ -69,12 +71,13 @@ def saved_bytes(cp: int, overrides: list[str], tmp: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--cp", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--seq-len", type=at_least(1), default=8192)
+    parser.add_argument("--cp", nargs="+", type=at_least(1), default=[1, 2, 4])
     parser.add_argument("--flavor", default="debugmodel")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=at_least(1), default=3)
+    parser.add_argument("--warmup", type=at_least(0), default=1)
     args = parser.parse_args()
+    check_timed_steps(parser, args)
     print("| cp | tokens per rank | saved activations, busiest rank (GiB) | peak memory, busiest rank (GiB)"
           " | median step (s) |")
     print("|---|---|---|---|---|")

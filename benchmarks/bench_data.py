@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import datasets  # noqa: E402
@@ -42,9 +44,10 @@ def median_time(fn, repeats: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seq-len", type=int, default=8192)
-    ap.add_argument("--dp", type=int, nargs="+", default=[1, 8, 64, 1024])
-    ap.add_argument("--copies", type=int, default=20, help="bundled corpus copies to prepare (size of the corpus)")
+    ap.add_argument("--seq-len", type=at_least(1), default=8192)
+    ap.add_argument("--dp", type=at_least(1), nargs="+", default=[1, 8, 64, 1024])
+    ap.add_argument("--copies", type=at_least(1), default=20,
+                    help="bundled corpus copies to prepare (size of the corpus)")
     ap.add_argument("--no-train", action="store_true", help="skip the debug-model step-time runs")
     args = ap.parse_args()
     tok = Tokenizer(max_ranks=2046)  # the debug model's tokenizer

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import at_least, check_timed_steps  # benchmarks/arguments.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -73,10 +75,11 @@ def run(case: str, data: str, variant: str, steps: int, warmup: int, dump: Path)
 def main_cli() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=at_least(1), default=10)
+    parser.add_argument("--warmup", type=at_least(0), default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=2)
     a = parser.parse_args()
+    check_timed_steps(parser, a)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {a.steps} steps (median of the last"
           f" {a.steps - a.warmup}), {a.repeats} alternating repeats\n")
     print("| model | data | microbatches with a boundary | causal step (s) | block_causal sdpa (s) | block_causal"

@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 P = "--parallelism."
 LAYOUTS = {  # name -> (processes per job, jobs at once, overrides)
@@ -93,9 +95,9 @@ def run_layout(name: str, args: list[str], tmp: Path) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--local-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--seq-len", type=at_least(1), default=512)
+    ap.add_argument("--local-batch", type=at_least(1), default=8)
+    ap.add_argument("--steps", type=at_least(1), default=8)
     a = ap.parse_args()
     args = ["--job.config_file", str(REPO / "configs/debug_model.toml"), "--model.overrides.n_kv_heads", "16",
             "--model.overrides.multiple_of", "256", "--training.mixed_precision_param", "float32",

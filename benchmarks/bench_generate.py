@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -36,9 +38,9 @@ def build(flavor: str, length: int, device: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--flavors", nargs="+", default=["debugmodel", "270M"])
-    parser.add_argument("--prompts", nargs="+", type=int, default=[16, 512])
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", nargs="+", type=at_least(1), default=[16, 512])
+    parser.add_argument("--new", type=at_least(1), default=64)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = parser.parse_args()
     print(f"device {a.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {a.new} new tokens,"

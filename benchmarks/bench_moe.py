@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -104,10 +106,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flavor", default="debugmodel")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=9, help="timed repeats per kernel")
+    parser.add_argument("--steps", type=at_least(1), default=8)
+    parser.add_argument("--batch", type=at_least(1), default=8, help="global batch (sequences)")
+    parser.add_argument("--seq", type=at_least(1), default=256)
+    parser.add_argument("--repeats", type=at_least(1), default=9, help="timed repeats per kernel")
     parser.add_argument("--no-kernels", action="store_true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 P = "--parallelism."
 LAYOUTS = {
@@ -94,12 +96,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["debugmodel", "270M"], choices=list(MODELS))
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=1, help="passes over the cases, every other one reversed")
+    parser.add_argument("--steps", type=at_least(3), default=7)
+    parser.add_argument("--repeats", type=at_least(1), default=1,
+                        help="passes over the cases, every other one reversed")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: at least one pass")
     cases = [(model, layout) for model in args.models for layout in args.layouts]
     runs: dict[tuple[str, str], list[dict]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory() as tmp:

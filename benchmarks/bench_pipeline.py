@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import at_least, check_timed_steps  # benchmarks/arguments.py, beside this script
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -65,14 +67,14 @@ def run_case(pp: int, schedule: str, steps: list[str], timed: list[int], warmup:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--pp", nargs="+", type=at_least(1), default=[2, 4])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=1, help="passes over the cases, every other one reversed")
+    parser.add_argument("--steps", type=at_least(1), default=5)
+    parser.add_argument("--warmup", type=at_least(0), default=2)
+    parser.add_argument("--repeats", type=at_least(1), default=1,
+                        help="passes over the cases, every other one reversed")
     args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: at least one pass")
+    check_timed_steps(parser, args)
     steps = ["--training.steps", str(args.steps)]
     timed = list(range(args.warmup + 1, args.steps + 1))
     cases = [("single", 1)] + [(schedule, pp) for pp in args.pp for schedule in args.schedules]

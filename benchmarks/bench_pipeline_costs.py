@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -90,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="debug,12x32k")
     parser.add_argument("--device", default="")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=at_least(1), default=20)
     parser.add_argument("--pp", default="2")
     parser.add_argument("--out", default="/tmp/bench_pipeline_costs")
     args = parser.parse_args()

@@ -49,6 +49,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -274,6 +276,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     # the noise floor under a paired ratio: each of the planner's inner steps against its own steps either side
     # (one other split's step between: the same split, so 1 but for this machine's noise)
     self_paired = [own[k] / ((own[k - 1] + own[k + 1]) / 2) for k in range(1, len(own) - 1)]
+    # and as a split's paired figure is made: one such step from each round (every per_round-th), their median;
+    # the lowest and highest of those medians are how far from 1 a split's paired figure strays by noise alone
+    self_medians = [statistics.median(self_paired[j::per_round]) for j in range(min(per_round, len(self_paired)))]
     planner_cases = own
     best = min(rows, key=lambda r: r["step"])
     best_paired = min(rows, key=lambda r: r["paired"])
@@ -303,6 +308,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "slower_when_waiting": slower_when_waiting(rows),
             "bias_by_wait": bias_by_wait(rows),
             "self_paired": (min(self_paired), max(self_paired)) if self_paired else (1.0, 1.0),
+            "self_paired_medians": (min(self_medians), max(self_medians)) if self_medians else (1.0, 1.0),
             "planner_spread": (min(planner_cases) / statistics.median(planner_cases),
                                max(planner_cases) / statistics.median(planner_cases), len(planner_cases)),
             "paired_vs_predicted": (statistics.mean(ratio_err), max(ratio_err)) if ratio_err else (0.0, 0.0),
@@ -357,9 +363,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
-    parser.add_argument("--warmup", type=int, default=2, help="each trainer's first steps, not measured")
-    parser.add_argument("--max-splits", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=7,
+    parser.add_argument("--warmup", type=at_least(0), default=2, help="each trainer's first steps, not measured")
+    parser.add_argument("--max-splits", type=at_least(1), default=20)
+    parser.add_argument("--repeats", type=at_least(1), default=7,
                         help="rounds: in each, every split's trainer takes one step, in a seeded shuffled order,"
                              " the planner's split a step after each; a split's figures are medians over its rounds")
     parser.add_argument("--json", type=Path, help="also write every row here")
@@ -367,9 +373,6 @@ def main() -> None:
                         help="with --keep: report from the cases a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     args = parser.parse_args()
-    for name in ("warmup", "max_splits", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: at least 1")
     if args.reuse and not args.keep:
         parser.error("--reuse reports from the cases kept by an earlier --keep run: name that folder with --keep")
     results = []
@@ -404,13 +407,15 @@ def main() -> None:
                       f" | {r['paired_vs_predicted'][0]:.1f} / {r['paired_vs_predicted'][1]:.1f} |", flush=True)
     print("\nThis machine's noise: the planner's split over its steps (the lowest and highest over their median),"
           " and each of its inner steps paired with its own steps either side (the same split, one other split's"
-          " step between: a paired ratio this far from 1 is noise):\n")
+          " step between: a paired ratio this far from 1 is noise), and those paired steps taken one per round as a"
+          " split's are, the median of each such set (how far a split's paired figure strays by noise alone):\n")
     print("| model | schedule | planner's steps | lowest / highest over the median | paired with itself: lowest /"
-          " highest |\n|---|---|---:|---|---|")
+          " highest | as a split's paired figure: lowest / highest |\n|---|---|---:|---|---|---|")
     for r in results:
         low, high, n = r["planner_spread"]
         print(f"| {r['model']} | {r['schedule']} | {n} | {low:.3f} / {high:.3f}"
-              f" | {r['self_paired'][0]:.3f} / {r['self_paired'][1]:.3f} |")
+              f" | {r['self_paired'][0]:.3f} / {r['self_paired'][1]:.3f}"
+              f" | {r['self_paired_medians'][0]:.3f} / {r['self_paired_medians'][1]:.3f} |")
     print("\nEach part timed in one process before the launch (python -m trainer.measure_costs, OMP_NUM_THREADS=1),"
           " no pipeline run: the predicted bubble's error with those costs (points, mean / worst) beside the FLOP"
           " model's and the timed pipeline run's, and the split those costs choose among the measured ones:\n")

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import at_least  # benchmarks/arguments.py, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 STEP1 = re.compile(r"step\s+1\s+loss")
 
@@ -49,7 +51,7 @@ def time_to_first_step(cmd: list[str], env: dict, dump: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5, help="warm launches per command")
+    ap.add_argument("--repeats", type=at_least(1), default=5, help="warm launches per command")
     args = ap.parse_args()
     print("| command | cold: first launch (s) | warm: median of later launches (s) |\n|---|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from arguments import at_least, check_timed_steps  # benchmarks/arguments.py, beside this script
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
@@ -88,13 +90,14 @@ def run_case(name: str, steps: int, warmup: int, out: Path, extra: list[str], pe
 def main_cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["debugmodel", "270M"], choices=list(CASES))
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=at_least(1), default=8)
+    parser.add_argument("--warmup", type=at_least(0), default=2)
     parser.add_argument("--out", type=Path, default=Path("outputs/bench"))
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
-    parser.add_argument("--peak-size", type=int, default=2048, help="matmul size for the device's peak")
+    parser.add_argument("--peak-size", type=at_least(1), default=2048, help="matmul size for the device's peak")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="config overrides for every case")
     args = parser.parse_args()
+    check_timed_steps(parser, args)
     rows = [run_case(c, args.steps, args.warmup, args.out, args.extra, args.peak_size) for c in args.cases]
     print("| case | device | tokens/step | median step (s) | tokens/s | achieved TFLOP/s | matmul peak TFLOP/s |"
           " of peak | peak memory (GiB) |")
