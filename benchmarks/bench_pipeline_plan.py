@@ -147,13 +147,20 @@ def measured_bubbles(dumps: list[Path], steps: list[int]) -> list[float]:
     return [statistics.median(t["bubble"][str(r)] for t in traces) for r in range(2)]
 
 
+class KeptLaunchDiffers(Exception):
+    """--reuse with other settings than the kept launch ran: its steps cannot be matched to splits."""
+
+
 def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) -> dict:
     import torch
 
     from trainer.train import build_calibration
 
-    base = MODELS[model] + [a.format(steps=100) for a in COMMON] + [
-        "--parallelism.pipeline_parallel_schedule", schedule]
+    def job(steps: int) -> list[str]:  # the group's overrides; --training.steps sets the learning-rate schedule
+        return MODELS[model] + [a.format(steps=steps) for a in COMMON] + [
+            "--parallelism.pipeline_parallel_schedule", schedule]
+
+    base = job(100)  # the plan does not depend on the steps
     plan = load(base)
     old = load(base + ["--parallelism.pipeline_parallel_split_mode", "flops"])
     p = plan.pipeline
@@ -183,14 +190,18 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     dumps = [tmp / f"{model}_{schedule}_{i}" for i in range(len(runs))]
     spec = tmp / f"{model}_{schedule}.json"
     out = tmp / f"{model}_{schedule}_steps.json"
-    # --training.steps: the most steps any trainer takes (the learning-rate schedule's length)
-    base = MODELS[model] + [a.format(steps=max(totals)) for a in COMMON] + [
-        "--parallelism.pipeline_parallel_schedule", schedule]
-    spec.write_text(json.dumps({"out": str(out), "order": order, "runs": [base + [
-        "--parallelism.pipeline_parallel_split_points", points(counts), "--job.dump_folder", str(dumps[i]),
-        "--profiling.pipeline_timeline_steps", ",".join(map(str, timed[i]))] for i, counts in enumerate(runs)]}))
+    launch = not (args.reuse and out.exists())
+    # a kept launch's steps are matched to splits by its order: reusing them takes the settings it ran with
+    if not launch and (not spec.exists() or json.loads(spec.read_text())["order"] != order):
+        raise KeptLaunchDiffers(f"--reuse: the launch kept in {tmp} for {model} {schedule} ran another order of"
+                                " steps; pass the --warmup, --repeats and --max-splits it ran with")
+    base = job(max(totals))  # the most steps any trainer takes
     worker = tmp / "worker.py"
-    worker.write_text(WORKER.format(repo=str(REPO)))
+    if launch:  # a report from kept steps leaves their launch's files as they are
+        spec.write_text(json.dumps({"out": str(out), "order": order, "runs": [base + [
+            "--parallelism.pipeline_parallel_split_points", points(counts), "--job.dump_folder", str(dumps[i]),
+            "--profiling.pipeline_timeline_steps", ",".join(map(str, timed[i]))] for i, counts in enumerate(runs)]}))
+        worker.write_text(WORKER.format(repo=str(REPO)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # each part timed in one process (python -m trainer.measure_costs), right before the launch: the costs a
     # user gets without running the pipeline
@@ -200,20 +211,20 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                                "--out", str(one_device)], cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
-    if not (args.reuse and out.exists()):
+    if launch:
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                str(worker), str(spec)], cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
     seconds = json.loads(out.read_text())
-    # the measured steps in launch order: (run, its step number, seconds)
+    # the measured steps in launch order: (run, seconds)
     seen = [0] * len(runs)
     sequence = []
     for i, t in zip(order, seconds, strict=True):
         seen[i] += 1
         if seen[i] > args.warmup:
-            sequence.append((i, seen[i], t))
-    steps_of = {i: [t for j, _, t in sequence if j == i] for i in range(len(runs))}
+            sequence.append((i, t))
+    steps_of = {i: [t for j, t in sequence if j == i] for i in range(len(runs))}
     program = program_for(schedule, 2, plan.n_microbatches, p.stages_per_rank)
     # The calibration from the planner's recorded actions over the launch, and as it would be with fewer
     # boundaries timed: none (each stage divided as the FLOP model does), and only the first
@@ -244,8 +255,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      program)
     rows = []
     for i, counts in enumerate(runs):
-        rows.append({"counts": counts, "step": statistics.median(steps_of[i]), "cases": len(steps_of[i]),
-                     "case_steps": steps_of[i],
+        rows.append({"counts": counts, "step": statistics.median(steps_of[i]), "steps": len(steps_of[i]),
+                     "step_times": steps_of[i],
                      "measured": measured_bubbles([dumps[i]], timed[i]),
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
                      "after_whole_stages": predicted_bubbles(wsim, counts),
@@ -269,8 +280,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     paired: dict[int, list[float]] = {}
     for k in range(1, len(sequence) - 1):
         if sequence[k][0] != 0:
-            beside = (sequence[k - 1][2] + sequence[k + 1][2]) / 2
-            paired.setdefault(sequence[k][0], []).append(sequence[k][2] / beside)
+            beside = (sequence[k - 1][1] + sequence[k + 1][1]) / 2
+            paired.setdefault(sequence[k][0], []).append(sequence[k][1] / beside)
     for i, row in enumerate(rows):
         row["paired"] = statistics.median(paired[i]) if i in paired else 1.0
     # the noise floor under a paired ratio: each of the planner's inner steps against its own steps either side
@@ -279,7 +290,6 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     # and as a split's paired figure is made: one such step from each round (every per_round-th), their median;
     # the lowest and highest of those medians are how far from 1 a split's paired figure strays by noise alone
     self_medians = [statistics.median(self_paired[j::per_round]) for j in range(min(per_round, len(self_paired)))]
-    planner_cases = own
     best = min(rows, key=lambda r: r["step"])
     best_paired = min(rows, key=lambda r: r["paired"])
     # how well the calibrated costs predict each split's step relative to the planner's: against the paired
@@ -309,8 +319,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "bias_by_wait": bias_by_wait(rows),
             "self_paired": (min(self_paired), max(self_paired)) if self_paired else (1.0, 1.0),
             "self_paired_medians": (min(self_medians), max(self_medians)) if self_medians else (1.0, 1.0),
-            "planner_spread": (min(planner_cases) / statistics.median(planner_cases),
-                               max(planner_cases) / statistics.median(planner_cases), len(planner_cases)),
+            "planner_spread": (min(own) / statistics.median(own), max(own) / statistics.median(own), len(own)),
             "paired_vs_predicted": (statistics.mean(ratio_err), max(ratio_err)) if ratio_err else (0.0, 0.0),
             "rows": rows}
 
@@ -370,11 +379,11 @@ def main() -> None:
                              " the planner's split a step after each; a split's figures are medians over its rounds")
     parser.add_argument("--json", type=Path, help="also write every row here")
     parser.add_argument("--reuse", action="store_true",
-                        help="with --keep: report from the cases a previous run kept there instead of running them")
+                        help="with --keep: report from the steps a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     args = parser.parse_args()
     if args.reuse and not args.keep:
-        parser.error("--reuse reports from the cases kept by an earlier --keep run: name that folder with --keep")
+        parser.error("--reuse reports from the steps kept by an earlier --keep run: name that folder with --keep")
     results = []
     print("| model | schedule | splits (measured) | planner's split: step | same split: first / last round"
           " | best measured split: step | planner/best | best paired: step over the planner's on either side"
@@ -388,7 +397,10 @@ def main() -> None:
         Path(tmp).mkdir(parents=True, exist_ok=True)
         for model in args.models:
             for schedule in args.schedules:
-                r = run_group(model, schedule, args, Path(tmp))
+                try:
+                    r = run_group(model, schedule, args, Path(tmp))
+                except KeptLaunchDiffers as e:
+                    parser.error(str(e))
                 results.append(r)
                 print(f"| {model} | {schedule} | {r['splits']} ({r['measured']})"
                       f" | {r['planner']}: {r['planner_step']:.3f} s"
