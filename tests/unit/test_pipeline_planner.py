@@ -76,6 +76,22 @@ def test_the_search_under_a_small_budget_states_a_valid_bound():
     assert found.lower_bound == pytest.approx(total_work / 4)
 
 
+def test_the_search_moves_a_block_between_a_ranks_two_v_stages():
+    """8B on 4 x 2 V stages (2.6M splits, beyond the budget): from the split that moving one cut at a time
+    settles on, (5,3,4,4,4,4,5,3), the better (5,4,4,4,4,4,4,3) is one block from stage 6 to stage 1, both on
+    pp rank 1; one cut at a time would pass through slower splits. The search finds a split at least as fast
+    within its default budget (a 30x longer search found none faster)."""
+    plan = load_plan(["--job.config_file", "configs/llama3_8b.toml", "--parallelism.pipeline_parallel_degree", "4",
+                      "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "8",
+                      "--activation_checkpoint.mode", "full"], 4, check_memory=False)
+    sim = Simulator(plan.pipeline_costs, program_for("ZBVZeroBubble", 4, plan.n_microbatches, 2))
+    assert sim.stage_ids[1] == [1, 6]
+    settled, traded = sim.predict((5, 3, 4, 4, 4, 4, 5, 3)), sim.predict((5, 4, 4, 4, 4, 4, 4, 3))
+    assert traded.makespan < settled.makespan
+    found = search_splits(sim)
+    assert not found.exact and found.best[0].makespan <= traded.makespan * (1 + 1e-12)
+
+
 def test_v_placement_balances_ranks_not_stages():
     """The issue's case: debug model, PP2 ZBVZeroBubble. The stage-balanced split (layers.1, .3, .5) gives
     rank 0 two blocks + output and rank 1 four blocks; the planner's split evens the ranks' work and its

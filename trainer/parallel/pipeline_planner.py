@@ -9,7 +9,7 @@ among those whose every rank fits the memory limit.
 
 Search: every split when there are at most ``budget`` of them (exact). Otherwise a depth-first
 branch and bound over the cut positions, seeded with the stage-balanced split improved by moving
-one cut at a time: a rank's busy time never exceeds the makespan, so any partial split whose
+one block at a time between any two stages: a rank's busy time never exceeds the makespan, so any partial split whose
 busiest rank already exceeds the best makespans kept is dropped unseen. If the budget runs out
 first, the result is still a valid split and the search states a lower bound on the optimum
 (the smallest bound of the parts it did not explore), so the gap is known.
@@ -172,24 +172,27 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
 
 
 def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict) -> None:
-    """Move one cut by one block while that shortens the step (first improvement)."""
+    """Move one block from one stage to another while that shortens the step (first improvement; neighbouring
+    stages first). A block moved between stages further apart shifts every cut between them: how a rank's
+    two stages of a V placement trade a block, which one cut at a time would pass through worse splits."""
     best = evaluate(counts)
     current = counts
+    stages = len(counts)
+    moves = sorted(((i, j) for i in range(stages) for j in range(stages) if i != j), key=lambda m: abs(m[0] - m[1]))
     improved = True
     while improved and state["evaluated"] < budget:
         improved = False
-        for s in range(len(current) - 1):
-            for d in (1, -1):
-                c = list(current)
-                c[s] -= d
-                c[s + 1] += d
-                if min(c) < 1:
-                    continue
-                pred = evaluate(tuple(c))
-                if pred is not None and (best is None or pred.makespan < best.makespan):
-                    best, current, improved = pred, tuple(c), True
-                    break
-            if improved or state["evaluated"] >= budget:
+        for i, j in moves:
+            if current[i] < 2:
+                continue
+            c = list(current)
+            c[i] -= 1
+            c[j] += 1
+            pred = evaluate(tuple(c))
+            if pred is not None and (best is None or pred.makespan < best.makespan):
+                best, current, improved = pred, tuple(c), True
+                break
+            if state["evaluated"] >= budget:
                 break
 
 
