@@ -41,12 +41,18 @@ def test_a_benchmark_script_finds_the_trainer_from_a_checkout(script):
     assert inserts and inserts[0] < first_import, f"{script.name} imports the trainer before sys.path has the repo"
 
 
-def script_parser(script: Path, monkeypatch) -> argparse.ArgumentParser:
-    """The parser a script's main() builds, caught at its parse_args (nothing after that runs)."""
+def load_script(script: Path, monkeypatch):
+    """A benchmark script as a module (its imports from beside it found), nothing of it run."""
     monkeypatch.syspath_prepend(str(script.parent))
     spec = importlib.util.spec_from_file_location(f"benchmark_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def script_parser(script: Path, monkeypatch) -> argparse.ArgumentParser:
+    """The parser a script's main() builds, caught at its parse_args (nothing after that runs)."""
+    module = load_script(script, monkeypatch)
 
     class Caught(Exception):
         pass
@@ -83,3 +89,63 @@ def test_a_benchmark_scripts_counts_are_range_checked(script, monkeypatch, capsy
     names = {a.dest for a in options}
     if {"steps", "warmup"} <= names:  # the steps after the warm-up are timed: there must be one
         assert "check_timed_steps(" in script.read_text(), f"{script.name} takes --steps at or below --warmup"
+
+
+@pytest.mark.slow
+def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypatch):
+    """bench_pipeline_plan's one launch, on a 5-block model with ZBVZeroBubble (4 splits), one round: every
+    split's trainer takes the steps the benchmark's order gives it, numbered as its own (its timeline records
+    exactly its measured steps, each from its own split's stages), and the report's figures are those of the
+    launch's step times and timelines (medians, the paired ratio against the planner's steps either side)."""
+    import json
+    import statistics
+
+    from tests.conftest import load_plan
+
+    bench = load_script(REPO / "benchmarks" / "bench_pipeline_plan.py", monkeypatch)
+    monkeypatch.setitem(bench.MODELS, "tiny", ["--model.overrides.n_layers", "5", "--training.seq_len", "64",
+                                               "--training.local_batch_size", "4"])
+    warmup = 1
+    args = argparse.Namespace(warmup=warmup, repeats=1, max_splits=20, reuse=False)
+    report = bench.run_group("tiny", "ZBVZeroBubble", args, tmp_path)
+
+    order = json.loads((tmp_path / "tiny_ZBVZeroBubble.json").read_text())["order"]
+    seconds = json.loads((tmp_path / "tiny_ZBVZeroBubble_steps.json").read_text())
+    assert len(seconds) == len(order) and min(seconds) > 0
+    rows = report["rows"]
+    every = {(a, b - a, c - b, 5 - c) for a in range(1, 4) for b in range(a + 1, 5) for c in range(b + 1, 5)}
+    assert {tuple(r["counts"]) for r in rows} == every and len(rows) == len(every) == 4
+    planned = load_plan(bench.MODELS["tiny"] + [x.format(steps=10) for x in bench.COMMON]
+                        + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]).pipeline.counts
+    assert tuple(rows[0]["counts"]) == tuple(planned)  # the planner's split first: the one between the others
+    assert order[len(rows) * warmup:] == [0] + [x for i in order[len(rows) * warmup + 1::2] for x in (i, 0)]
+    assert sorted(order[len(rows) * warmup + 1::2]) == list(range(1, len(rows)))  # each other split once a round
+
+    measured = {i: [] for i in range(len(rows))}
+    seen = [0] * len(rows)
+    sequence = []  # (run, seconds) of the measured steps, in launch order
+    for i, t in zip(order, seconds):
+        seen[i] += 1
+        if seen[i] > warmup:
+            measured[i].append(t)
+            sequence.append((i, t))
+    for i, row in enumerate(rows):
+        counts = tuple(row["counts"])
+        traces = sorted((tmp_path / f"tiny_ZBVZeroBubble_{i}" / "profile_traces").glob("pipeline_timeline_step*.json"))
+        steps = sorted(int(f.stem.removeprefix("pipeline_timeline_step")) for f in traces)
+        assert steps == list(range(warmup + 1, order.count(i) + 1)), (counts, steps)
+        bubbles = []
+        for f in traces:
+            trace = json.loads(f.read_text())
+            forwards = [e["args"] for e in trace["traceEvents"] if e.get("ph") == "X" and e["cat"] == "F"]
+            assert {a["stage"]: len(a["blocks_ms"]) for a in forwards} == dict(enumerate(counts)), (counts, f.name)
+            bubbles.append(trace["otherData"]["bubble"])
+        assert row["measured"] == [statistics.median(b[str(r)] for b in bubbles) for r in range(2)]
+        assert row["step"] == statistics.median(measured[i])
+        assert all(0 <= b < 1 for b in row["before"] + row["after"])
+        if i:
+            k = next(k for k, (j, _) in enumerate(sequence) if j == i)
+            beside = (sequence[k - 1][1] + sequence[k + 1][1]) / 2
+            assert sequence[k - 1][0] == sequence[k + 1][0] == 0
+            assert row["paired"] == pytest.approx(sequence[k][1] / beside)
+    assert (tmp_path / "tiny_ZBVZeroBubble_all_boundaries" / "pipeline_costs.json").is_file()
