@@ -28,10 +28,12 @@ noise, the floor under those errors), and how far each split's paired ratio is f
 prediction of its step over the planner's. A second table: the bubble's error with the costs of
 each part timed in one process (``python -m trainer.measure_costs``, run before each launch) and the
 split those costs choose. A third table: a block's measured time on ranks that waited much against
-ranks that hardly waited; a fourth: the calibrated bubble's signed error by how much a rank was
-predicted to wait (the bias under the noise). With --json, each split's row also holds its measured
-steps, each rank's busy time per step, measured and as the calibrated costs predict it, and its time
-per block.
+ranks that hardly waited; a fourth: on ranks that hardly waited, as the other rank waited little or
+much (whether a rank's pace depends on the other's load; bench_core_sharing.py times the parts
+alone and beside a second process, without a pipeline); a fifth: the calibrated bubble's signed
+error by how much a rank was predicted to wait (the bias under the noise). With --json, each split's
+row also holds its measured steps, each rank's busy time per step, measured and as the calibrated
+costs predict it, and its time per block.
 
 Earlier versions ran each split as its own training (a case of several steps, rebuilt each time),
 with the planner's split between cases; the planner's split paired with itself 0.69-0.86 at its
@@ -316,6 +318,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "bubble_err_one_device": (statistics.mean(err["one_device"]), max(err["one_device"])),
             "one_device_pick": points(one_device_pick["counts"]), "one_device_pick_paired": one_device_pick["paired"],
             "slower_when_waiting": slower_when_waiting(rows),
+            "faster_beside_waiting": faster_beside_a_waiting_rank(rows),
             "bias_by_wait": bias_by_wait(rows),
             "self_paired": (min(self_paired), max(self_paired)) if self_paired else (1.0, 1.0),
             "self_paired_medians": (min(self_medians), max(self_medians)) if self_medians else (1.0, 1.0),
@@ -365,6 +368,23 @@ def slower_when_waiting(rows: list[dict]) -> dict[str, tuple[float, float, int, 
         waiting = [r["block_s"][kind][i] for r in rows for i in range(2) if r["measured"][i] >= 0.40]
         out[kind] = (statistics.median(busy) if busy else float("nan"),
                      statistics.median(waiting) if waiting else float("nan"), len(busy), len(waiting))
+    return out
+
+
+def faster_beside_a_waiting_rank(rows: list[dict]) -> dict[str, tuple[float, float, int, int]]:
+    """Forward and backward seconds per block on ranks that hardly waited (measured bubble under 15%), as the
+    other rank waited little (under 25%) or much (40% or more), over every split of a group: (median beside a
+    busy rank, median beside a waiting one, how many of each). Below 1 as a ratio: a rank computed faster while
+    the other one idled."""
+    out = {}
+    for kind in ("forward", "backward"):
+        beside_busy = [r["block_s"][kind][i] for r in rows for i in range(2)
+                       if r["measured"][i] < 0.15 and r["measured"][1 - i] < 0.25]
+        beside_waiting = [r["block_s"][kind][i] for r in rows for i in range(2)
+                          if r["measured"][i] < 0.15 and r["measured"][1 - i] >= 0.40]
+        out[kind] = (statistics.median(beside_busy) if beside_busy else float("nan"),
+                     statistics.median(beside_waiting) if beside_waiting else float("nan"),
+                     len(beside_busy), len(beside_waiting))
     return out
 
 
@@ -445,6 +465,15 @@ def main() -> None:
     for r in results:
         cells = [f"{1e3 * b:.2f} ({nb}) / {1e3 * w:.2f} ({nw}) ({w / b:.3f})"
                  for b, w, nb, nw in (r["slower_when_waiting"][k] for k in ("forward", "backward"))]
+        print(f"| {r['model']} | {r['schedule']} | {cells[0]} | {cells[1]} |")
+    print("\nA block's time on the ranks that hardly waited (under 15%), as the other rank waited little (under 25%)"
+          " or much (40% or more), over every split (ms per block and microbatch, medians; how many splits):\n")
+    print("| model | schedule | forward: beside a busy / a waiting rank (ratio) | backward: beside a busy / a waiting"
+          " rank (ratio) |")
+    print("|---|---|---|---|")
+    for r in results:
+        cells = [f"{1e3 * b:.2f} ({nb}) / {1e3 * w:.2f} ({nw}) ({w / b:.3f})" if nb and nw else "none to compare"
+                 for b, w, nb, nw in (r["faster_beside_waiting"][k] for k in ("forward", "backward"))]
         print(f"| {r['model']} | {r['schedule']} | {cells[0]} | {cells[1]} |")
     print("\nThe calibrated bubble's signed error (measured minus predicted, points: mean over the rank-splits, how"
           " many) by how much the calibrated costs predict a rank to wait:\n")
