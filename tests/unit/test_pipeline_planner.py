@@ -80,7 +80,7 @@ def test_the_search_moves_a_block_between_a_ranks_two_v_stages():
     """8B on 4 x 2 V stages (2.6M splits, beyond the budget): from the split that moving one cut at a time
     settles on, (5,3,4,4,4,4,5,3), the better (5,4,4,4,4,4,4,3) is one block from stage 6 to stage 1, both on
     pp rank 1; one cut at a time would pass through slower splits. The search finds a split at least as fast
-    within its default budget (a 30x longer search found none faster)."""
+    within its default budget (a 30x longer search of the earlier kind found none faster)."""
     plan = load_plan(["--job.config_file", "configs/llama3_8b.toml", "--parallelism.pipeline_parallel_degree", "4",
                       "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "8",
                       "--activation_checkpoint.mode", "full"], 4, check_memory=False)

@@ -9,10 +9,10 @@ among those whose every rank fits the memory limit.
 
 Search: every split when there are at most ``budget`` of them (exact). Otherwise a depth-first
 branch and bound over the cut positions, seeded with the stage-balanced split improved by moving
-one block at a time between any two stages: a rank's busy time never exceeds the makespan, so any partial split whose
-busiest rank already exceeds the best makespans kept is dropped unseen. If the budget runs out
-first, the result is still a valid split and the search states a lower bound on the optimum
-(the smallest bound of the parts it did not explore), so the gap is known.
+one block at a time between any two stages: a rank's busy time never exceeds the makespan, so any
+partial split whose busiest rank already exceeds the best makespans kept is dropped unseen. If the
+budget runs out first, the result is still a valid split and the search states a lower bound on the
+optimum (the smallest bound of the parts it did not explore), so the gap is known.
 """
 
 import heapq
