@@ -28,8 +28,8 @@ def peak_flops(device: torch.device, configured: float) -> float:
     if device.type == "cpu":
         peak = measured_cpu_peak()
         logger.info("MFU against this CPU's measured float32 matmul rate, %.1f GFLOP/s on %d threads (the fastest"
-                    " 512 x 512 or 1024 x 1024 matmul; set [metrics] peak_flops to use another peak)", peak / 1e9,
-                    torch.get_num_threads())
+                    " 512 x 512 or 1024 x 1024 matmul on one thread, times the threads; set [metrics] peak_flops to"
+                    " use another peak)", peak / 1e9, torch.get_num_threads())
         return peak
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -41,20 +41,26 @@ def peak_flops(device: torch.device, configured: float) -> float:
 
 
 def measured_cpu_peak(sizes: tuple[int, ...] = (512, 1024), repeats: int = 5) -> float:
-    """FLOP/s of float32 square matmuls (each of ``sizes``) on this process's threads: the fastest of ``repeats``
-    after one warm-up, at the size that runs fastest (~0.1 s on 2 cores). A practical peak: what the step's
-    matmuls could reach. The fastest run, not a typical one: a moment when the machine is busy elsewhere slows
-    some runs, and a peak read from those would put the model's MFU above 100%."""
+    """FLOP/s of float32 square matmuls (each of ``sizes``) on this process's threads: one thread's fastest of
+    ``repeats`` after one warm-up, at the size that runs fastest, times the process's threads (~0.1 s). A
+    practical peak: what the step's matmuls could reach. One thread, the fastest run: at start-up other work
+    (the data loader preparing its first windows) can hold a core, which halves a matmul on every thread
+    and slows some runs; a peak read that way would put the model's MFU above 100%."""
+    threads = torch.get_num_threads()
     best = 0.0
-    for size in sizes:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        for i in range(repeats + 1):
-            start = time.perf_counter()
-            a @ b
-            seconds = time.perf_counter() - start
-            if i and seconds > 0:
-                best = max(best, 2 * size**3 / seconds)
-    return best
+    torch.set_num_threads(1)
+    try:
+        for size in sizes:
+            a, b = torch.randn(size, size), torch.randn(size, size)
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                a @ b
+                seconds = time.perf_counter() - start
+                if i and seconds > 0:
+                    best = max(best, 2 * size**3 / seconds)
+    finally:
+        torch.set_num_threads(threads)
+    return best * threads
 
 
 def memory_gib(device: torch.device) -> tuple[float, str]:

@@ -67,16 +67,22 @@ def test_mfu_on_cpu_is_against_a_measured_matmul_rate_unless_a_peak_is_set(monke
     caplog.set_level(logging.INFO)
     # Each matmul's time is what the clock says, whatever this machine does: 512 x 512 after a warm-up of 9 ms
     # once in 1 ms, else 3 ms (the machine busy elsewhere most of the time); 1024 x 1024 always in 10 ms. The peak
-    # is the fastest run at the faster size: 2 * 512^3 FLOP in 1 ms (a median would say a third of that).
+    # is one thread's fastest run at the faster size, 2 * 512^3 FLOP in 1 ms (a median would say a third of
+    # that), times the process's threads; the matmuls run on one thread, and the threads are set back after.
+    threads = 2
+    state = {"threads": threads}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: state["threads"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: state.update(threads=n))
     durations = [9e-3, 3e-3, 3e-3, 1e-3, 3e-3, 3e-3] + [10e-3] * 6
     times = iter([x for d in durations for x in (0.0, d)])
-    clock = metrics_mod.time.perf_counter
-    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(times))
+    clock, timed_on = metrics_mod.time.perf_counter, set()
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: (timed_on.add(state["threads"]), next(times))[1])
     assert 2 * 1024**3 / 10e-3 < 2 * 512**3 / 1e-3
-    assert metrics_mod.peak_flops(torch.device("cpu"), 0.0) == pytest.approx(2 * 512**3 / 1e-3)
+    assert metrics_mod.peak_flops(torch.device("cpu"), 0.0) == pytest.approx(threads * 2 * 512**3 / 1e-3)
     assert next(times, None) is None  # every run timed: one warm-up and five per size
+    assert timed_on == {1} and state["threads"] == threads
     monkeypatch.setattr(metrics_mod.time, "perf_counter", clock)
-    assert "measured float32 matmul rate, 268.4 GFLOP/s" in caplog.text
+    assert "measured float32 matmul rate, 536.9 GFLOP/s on 2 threads" in caplog.text
     monkeypatch.setattr(metrics_mod, "measured_cpu_peak", lambda: pytest.fail("measured although configured"))
     assert metrics_mod.peak_flops(torch.device("cpu"), 5e9) == 5e9
     silent = MetricsLogger(Metrics(enable_tensorboard=False), dump_folder="unused", enabled=False,
