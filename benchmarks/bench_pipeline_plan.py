@@ -300,9 +300,15 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)]
            for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device")}
-    calibrated_pick = min(rows, key=lambda r: r["predicted_s"])
+    # predictions equal but for their last bits (splits with the same blocks on each rank; two reports from the
+    # same kept steps differed there) are ties, and the planner's split, first, wins them, as the planner's own
+    # search rounds them
+    def pick(key: str) -> dict:
+        return min(rows, key=lambda r: float(f"{r[key]:.9g}"))
+
+    calibrated_pick = pick("predicted_s")
     # the split the planner picks with the one-device costs (of those measured here), and its paired ratio
-    one_device_pick = min(rows, key=lambda r: r["one_device_s"])
+    one_device_pick = pick("one_device_s")
     return {"model": model, "schedule": schedule, "splits": len(every), "measured": len(rows),
             "planner": points(planner["counts"]), "planner_step": planner["step"], "planner_first_step": first,
             "planner_again_step": again,
@@ -358,34 +364,34 @@ def bias_by_wait(rows: list[dict]) -> list[tuple[float, int]]:
     return out
 
 
-def slower_when_waiting(rows: list[dict]) -> dict[str, tuple[float, float, int, int]]:
-    """Forward and backward seconds per block on ranks that waited (measured bubble 40% or more) against
-    ranks that hardly did (under 15%), over every split and rank of a group: (median busy, median waiting,
-    how many busy, how many waiting)."""
+def block_paces(rows: list[dict], first, second) -> dict[str, tuple[float, float, int, int]]:
+    """Forward and backward seconds per block on the ranks ``first`` keeps against those ``second`` keeps, over
+    every split and rank of a group; each predicate takes (the rank's measured bubble, the other rank's).
+    (median of the first, median of the second, how many of each) per kind."""
     out = {}
     for kind in ("forward", "backward"):
-        busy = [r["block_s"][kind][i] for r in rows for i in range(2) if r["measured"][i] < 0.15]
-        waiting = [r["block_s"][kind][i] for r in rows for i in range(2) if r["measured"][i] >= 0.40]
-        out[kind] = (statistics.median(busy) if busy else float("nan"),
-                     statistics.median(waiting) if waiting else float("nan"), len(busy), len(waiting))
+        kept = [[r["block_s"][kind][i] for r in rows for i in range(2) if keep(r["measured"][i], r["measured"][1 - i])]
+                for keep in (first, second)]
+        out[kind] = (*(statistics.median(k) if k else float("nan") for k in kept), *(len(k) for k in kept))
     return out
+
+
+def slower_when_waiting(rows: list[dict]) -> dict[str, tuple[float, float, int, int]]:
+    """Ranks that hardly waited (measured bubble under 15%) against ranks that waited (40% or more)."""
+    return block_paces(rows, lambda own, other: own < 0.15, lambda own, other: own >= 0.40)
 
 
 def faster_beside_a_waiting_rank(rows: list[dict]) -> dict[str, tuple[float, float, int, int]]:
-    """Forward and backward seconds per block on ranks that hardly waited (measured bubble under 15%), as the
-    other rank waited little (under 25%) or much (40% or more), over every split of a group: (median beside a
-    busy rank, median beside a waiting one, how many of each). Below 1 as a ratio: a rank computed faster while
-    the other one idled."""
-    out = {}
-    for kind in ("forward", "backward"):
-        beside_busy = [r["block_s"][kind][i] for r in rows for i in range(2)
-                       if r["measured"][i] < 0.15 and r["measured"][1 - i] < 0.25]
-        beside_waiting = [r["block_s"][kind][i] for r in rows for i in range(2)
-                          if r["measured"][i] < 0.15 and r["measured"][1 - i] >= 0.40]
-        out[kind] = (statistics.median(beside_busy) if beside_busy else float("nan"),
-                     statistics.median(beside_waiting) if beside_waiting else float("nan"),
-                     len(beside_busy), len(beside_waiting))
-    return out
+    """Ranks that hardly waited (under 15%), as the other rank waited little (under 25%) or much (40% or more).
+    Below 1 as a ratio: a rank computed faster while the other one idled."""
+    return block_paces(rows, lambda own, other: own < 0.15 and other < 0.25,
+                       lambda own, other: own < 0.15 and other >= 0.40)
+
+
+def pace_cells(paces: dict[str, tuple[float, float, int, int]]) -> list[str]:
+    """A report's forward and backward cells: first (how many) / second (how many) (ratio)."""
+    return [f"{1e3 * a:.2f} ({na}) / {1e3 * b:.2f} ({nb}) ({b / a:.3f})" if na and nb else "none to compare"
+            for a, b, na, nb in (paces[k] for k in ("forward", "backward"))]
 
 
 def main() -> None:
@@ -463,18 +469,14 @@ def main() -> None:
     print("| model | schedule | forward: busy / waiting (ratio) | backward: busy / waiting (ratio) |")
     print("|---|---|---|---|")
     for r in results:
-        cells = [f"{1e3 * b:.2f} ({nb}) / {1e3 * w:.2f} ({nw}) ({w / b:.3f})"
-                 for b, w, nb, nw in (r["slower_when_waiting"][k] for k in ("forward", "backward"))]
-        print(f"| {r['model']} | {r['schedule']} | {cells[0]} | {cells[1]} |")
+        print(f"| {r['model']} | {r['schedule']} | " + " | ".join(pace_cells(r["slower_when_waiting"])) + " |")
     print("\nA block's time on the ranks that hardly waited (under 15%), as the other rank waited little (under 25%)"
           " or much (40% or more), over every split (ms per block and microbatch, medians; how many splits):\n")
     print("| model | schedule | forward: beside a busy / a waiting rank (ratio) | backward: beside a busy / a waiting"
           " rank (ratio) |")
     print("|---|---|---|---|")
     for r in results:
-        cells = [f"{1e3 * b:.2f} ({nb}) / {1e3 * w:.2f} ({nw}) ({w / b:.3f})" if nb and nw else "none to compare"
-                 for b, w, nb, nw in (r["faster_beside_waiting"][k] for k in ("forward", "backward"))]
-        print(f"| {r['model']} | {r['schedule']} | {cells[0]} | {cells[1]} |")
+        print(f"| {r['model']} | {r['schedule']} | " + " | ".join(pace_cells(r["faster_beside_waiting"])) + " |")
     print("\nThe calibrated bubble's signed error (measured minus predicted, points: mean over the rank-splits, how"
           " many) by how much the calibrated costs predict a rank to wait:\n")
     print("| model | schedule | " + " | ".join(f"predicted {100 * lo:.0f}-{100 * hi:.0f}%" for lo, hi in WAIT_BANDS)

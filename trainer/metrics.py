@@ -43,9 +43,9 @@ def peak_flops(device: torch.device, configured: float) -> float:
 def measured_cpu_peak(sizes: tuple[int, ...] = (512, 1024), repeats: int = 5) -> float:
     """FLOP/s of float32 square matmuls (each of ``sizes``) on this process's threads: one thread's fastest of
     ``repeats`` after one warm-up, at the size that runs fastest, times the process's threads (~0.1 s). A
-    practical peak: what the step's matmuls could reach. One thread, the fastest run: at start-up other work
-    (the data loader preparing its first windows) can hold a core, which halves a matmul on every thread
-    and slows some runs; a peak read that way would put the model's MFU above 100%."""
+    practical peak: what the step's matmuls could reach. One thread, the fastest run: other work at start-up
+    can hold a core, which halves a matmul spread over every thread and slows some runs; a peak read that way
+    would put the model's MFU above 100%."""
     threads = torch.get_num_threads()
     best = 0.0
     torch.set_num_threads(1)
