@@ -24,7 +24,9 @@ one (the median over a split's steps) before and after calibration (mean and wor
 difference in points over the splits measured; "after" also as the calibration would be with no
 block boundaries timed and with only the first stage's lead and the last stage's tail), how far
 the planner's split's measured bubble moved between the first and the last round (this machine's
-noise, the floor under those errors), and how far each split's paired ratio is from the calibrated
+noise, the floor under those errors), how far each split's measured bubble, the median over its
+odd-numbered rounds, is from the median over its even-numbered ones (how well the measurement
+reproduces itself), and how far each split's paired ratio is from the calibrated
 prediction of its step over the planner's. A second table: the bubble's error with the costs of
 each part timed in one process (``python -m trainer.measure_costs``, run before each launch) and the
 split those costs choose. A third table: a block's measured time on ranks that waited much against
@@ -149,6 +151,16 @@ def measured_bubbles(dumps: list[Path], steps: list[int]) -> list[float]:
     return [statistics.median(t["bubble"][str(r)] for t in traces) for r in range(2)]
 
 
+def halves_apart(dump: Path, steps: list[int]) -> list[float] | None:
+    """Each pp rank's measured bubble, the median over the odd-numbered timed steps against that over the
+    even-numbered ones: how far apart (a fraction). How well the measurement reproduces itself: a prediction
+    can be judged no closer than this (None with fewer than two steps)."""
+    if len(steps) < 2:
+        return None
+    odd, even = (measured_bubbles([dump], steps[k::2]) for k in (0, 1))
+    return [abs(a - b) for a, b in zip(odd, even, strict=True)]
+
+
 class KeptLaunchDiffers(Exception):
     """--reuse with other settings than the kept launch ran: its steps cannot be matched to splits."""
 
@@ -260,6 +272,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         rows.append({"counts": counts, "step": statistics.median(steps_of[i]), "steps": len(steps_of[i]),
                      "step_times": steps_of[i],
                      "measured": measured_bubbles([dumps[i]], timed[i]),
+                     "halves_apart": halves_apart(dumps[i], timed[i]),
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
                      "after_whole_stages": predicted_bubbles(wsim, counts),
                      "after_ends_only": predicted_bubbles(esim, counts),
@@ -300,6 +313,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)]
            for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device")}
+    # the measurement against itself: each split's odd rounds' median bubble against its even rounds'
+    apart = [100 * d for r in rows if r["halves_apart"] for d in r["halves_apart"]]
     # predictions equal but for their last bits (splits with the same blocks on each rank; two reports from the
     # same kept steps differed there) are ties, and the planner's split, first, wins them, as the planner's own
     # search rounds them
@@ -318,6 +333,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "calibrated_pick": points(calibrated_pick["counts"]), "calibrated_pick_step": calibrated_pick["step"],
             "bubble_err_before": (statistics.mean(err["before"]), max(err["before"])),
             "bubble_err_after": (statistics.mean(err["after"]), max(err["after"])), "bubble_noise": noise,
+            "bubble_halves_apart": (statistics.mean(apart), max(apart)) if apart else (float("nan"),) * 2,
             "bubble_err_after_whole_stages": (statistics.mean(err["after_whole_stages"]),
                                               max(err["after_whole_stages"])),
             "bubble_err_after_ends_only": (statistics.mean(err["after_ends_only"]), max(err["after_ends_only"])),
@@ -416,8 +432,9 @@ def main() -> None:
           " | old flops split: step | old/planner | paired | calibrated pick: step"
           " | bubble error before calibration, mean/worst (points) | after | after, no boundaries timed"
           " | after, only the first and last stages' own parts | first / last round: bubble moved (points)"
+          " | a split's odd against its even rounds: median bubbles apart, mean/worst (points)"
           " | paired ratio against the calibrated prediction's, mean/worst (%) |")
-    print("|---|---|---|---|---|---|---:|---|---|---:|---:|---|---|---|---|---|---:|---|")
+    print("|---|---|---|---|---|---|---:|---|---|---:|---:|---|---|---|---|---|---:|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -442,6 +459,7 @@ def main() -> None:
                       f" | {r['bubble_err_after_whole_stages'][0]:.1f} / {r['bubble_err_after_whole_stages'][1]:.1f}"
                       f" | {r['bubble_err_after_ends_only'][0]:.1f} / {r['bubble_err_after_ends_only'][1]:.1f}"
                       f" | {r['bubble_noise']:.1f}"
+                      f" | {r['bubble_halves_apart'][0]:.1f} / {r['bubble_halves_apart'][1]:.1f}"
                       f" | {r['paired_vs_predicted'][0]:.1f} / {r['paired_vs_predicted'][1]:.1f} |", flush=True)
     print("\nThis machine's noise: the planner's split over its steps (the lowest and highest over their median),"
           " and each of its inner steps paired with its own steps either side (the same split, one other split's"

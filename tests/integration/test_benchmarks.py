@@ -131,8 +131,9 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
             sequence.append((i, t))
     for i, row in enumerate(rows):
         counts = tuple(row["counts"])
-        traces = sorted((tmp_path / f"tiny_ZBVZeroBubble_{i}" / "profile_traces").glob("pipeline_timeline_step*.json"))
-        steps = sorted(int(f.stem.removeprefix("pipeline_timeline_step")) for f in traces)
+        traces = sorted((tmp_path / f"tiny_ZBVZeroBubble_{i}" / "profile_traces").glob("pipeline_timeline_step*.json"),
+                        key=lambda f: int(f.stem.removeprefix("pipeline_timeline_step")))
+        steps = [int(f.stem.removeprefix("pipeline_timeline_step")) for f in traces]
         assert steps == list(range(warmup + 1, order.count(i) + 1)), (counts, steps)
         bubbles = []
         for f in traces:
@@ -142,6 +143,14 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
             bubbles.append(trace["otherData"]["bubble"])
         assert row["measured"] == [statistics.median(b[str(r)] for b in bubbles) for r in range(2)]
         assert row["step"] == statistics.median(measured[i])
+        if i:  # one step each: no halves to compare
+            assert row["halves_apart"] is None
+        else:  # the planner's steps: the median bubble of the 1st and 3rd against the 2nd and 4th
+            assert len(bubbles) == 4
+            halves = [[statistics.median(b[str(r)] for b in bubbles[k::2]) for r in range(2)] for k in (0, 1)]
+            apart = [abs(a - b) for a, b in zip(*halves)]
+            assert row["halves_apart"] == pytest.approx(apart)
+            assert report["bubble_halves_apart"] == pytest.approx((50 * sum(apart), 100 * max(apart)))
         assert all(0 <= b < 1 for b in row["before"] + row["after"])
         if i:
             k = next(k for k, (j, _) in enumerate(sequence) if j == i)
