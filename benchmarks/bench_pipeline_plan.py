@@ -33,7 +33,8 @@ split those costs choose. A third table: a block's measured time on ranks that w
 ranks that hardly waited; a fourth: on ranks that hardly waited, as the other rank waited little or
 much (whether a rank's pace depends on the other's load; bench_core_sharing.py times the parts
 alone and beside a second process, without a pipeline); a fifth: the calibrated bubble's signed
-error by how much a rank was predicted to wait (the bias under the noise). With --json, each split's
+error by how much a rank was predicted to wait (the bias under the noise; bench_pipeline_paces.py
+replays a kept launch's splits with pace models that would price it). With --json, each split's
 row also holds its measured steps, each rank's busy time per step, measured and as the calibrated
 costs predict it, and its time per block.
 

@@ -158,3 +158,54 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
             assert sequence[k - 1][0] == sequence[k + 1][0] == 0
             assert row["paired"] == pytest.approx(sequence[k][1] / beside)
     assert (tmp_path / "tiny_ZBVZeroBubble_all_boundaries" / "pipeline_costs.json").is_file()
+
+
+def test_the_pace_models_replay_and_fit_what_they_say(monkeypatch):
+    """bench_pipeline_paces on 1F1B at pp 2 with two microbatches (rank 0: F0 F1 B0 B1, rank 1: F0 B0 F1 B1),
+    F 1 s and B 2 s on both stages, no transfer time. Worked by hand: the plain replay ends at 9 s with 6 s busy
+    on each rank. Both ranks computing at half pace (c = 1): both F's from 1 to 3, rank 1's B0 alone to 5, rank
+    0's B0 and rank 1's F1 together from 5 (F1 done at 7), B0 beside B1 until 9, B1 alone to 10, rank 0's B1
+    to 12; 9 s busy each. An action after idling costing 1.5 times (w = 0.5): only rank 0's B0 waited (2 s,
+    from 2 to 4) and takes 3 s; rank 0's B1 starts as its input arrives; 9 s, busy 7 and 6. Each fit gets back
+    the figure planted in its input."""
+    from trainer.parallel.schedule_sim import program_for, replay
+
+    paces = load_script(REPO / "benchmarks" / "bench_pipeline_paces.py", monkeypatch)
+    program = program_for("1F1B", 2, 2, 1)
+    assert [[program.actions[a][::2] for a in q] for q in program.order] == [
+        [("F", 0), ("F", 1), ("B", 0), ("B", 1)], [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]
+    table = [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]
+    def flat(result):  # (makespan, busy per rank) as one list
+        return [result[0], *result[1]]
+
+    assert flat(replay(program, table)) == [9.0, 6.0, 6.0]
+    for model in (paces.replay_idle, paces.replay_own_wait, paces.replay_contention):  # no effect at 0
+        assert flat(model(program, table, 0.0, 0.0)) == pytest.approx([9.0, 6.0, 6.0])
+    assert flat(paces.replay_contention(program, table, 0.0, 1.0)) == pytest.approx([12.0, 9.0, 9.0])
+    assert flat(paces.replay_idle(program, table, 0.0, 0.5)) == pytest.approx([9.0, 7.0, 6.0])
+    # own wait: a fixed point, the plain replay of each stage's costs x (1 + k x its rank's bubble) gives it back
+    assert program.owner() == {0: 0, 1: 1}
+    makespan, busy = paces.replay_own_wait(program, table, 0.0, 0.3)
+    bubble = [1 - b / makespan for b in busy]
+    again = replay(program, [[v * (1 + 0.3 * bubble[stage]) for stage, v in enumerate(row)] for row in table])
+    assert flat(again) == pytest.approx([makespan, *busy], rel=1e-3)
+    assert busy[0] > 6.0 and makespan > 9.0
+
+    def event(rank, kind, start, seconds, stage=0):
+        return {"pid": rank, "cat": kind, "ts": start * 1e6, "dur": seconds * 1e6, "args": {"stage": stage}}
+
+    # after idling: F's take 1 s, 1.3 s after a 2 s wait; B's 2 s, 2.6 s after a wait
+    step = [event(0, "F", 0, 1), event(0, "F", 1, 1), event(0, "F", 4, 1.3), event(0, "B", 5.3, 2),
+            event(0, "B", 9.3, 2.6), event(0, "B", 11.9, 2)]
+    w, share = paces.fit_idle([step])
+    assert w == pytest.approx(0.3) and share == pytest.approx(2 / 6)
+    # both busy: rank 1 computes from 0 to 100 s; rank 0's F's take 2 s alone and 2 x 1.25 within it, its
+    # B's 4 s and 5 s (c = 0.25); the shares: 1, 0, 1, 0 and rank 1's (2.5 + 5) / 100
+    step = [event(1, "W", 0, 100, stage=1), event(0, "F", 10, 2.5), event(0, "F", 200, 2.0), event(0, "B", 20, 5.0),
+            event(0, "B", 300, 4.0)]
+    assert paces.fit_contention([step]) == pytest.approx((0.25, (1 + 0 + 1 + 0 + 0.075) / 5))
+    # own wait: a block's time a (1 + 0.2 x its rank's bubble)
+    rows = [{"measured": b, "block_s": {"forward": [0.007 * (1 + 0.2 * x) for x in b],
+                                        "backward": [0.013 * (1 + 0.2 * x) for x in b]}}
+            for b in ([0.1, 0.4], [0.3, 0.05])]
+    assert paces.fit_own_wait(rows) == pytest.approx(0.2)
