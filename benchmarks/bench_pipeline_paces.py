@@ -102,7 +102,10 @@ def fit_own_wait(rows: list[dict]) -> float:
                 xs.append(r["measured"][q])
                 ys.append(r["block_s"][kind][q] / mean)
     mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    spread = sum((x - mx) ** 2 for x in xs)
+    if not spread:  # every rank waited alike: nothing to fit
+        return 0.0
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread
     return slope / (my - slope * mx)
 
 
