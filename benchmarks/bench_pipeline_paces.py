@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import bench_pipeline_plan as plan_bench  # noqa: E402  (beside this script)
 
+from trainer.parallel.pipeline_calibration import transfer_for_span  # noqa: E402
 from trainer.parallel.schedule_sim import KIND_INDEX, Deadlock, Program, program_for, replay  # noqa: E402
 
 IDLE = 1e-3  # seconds a rank must idle before an action for it to count as started after idling
@@ -178,17 +179,6 @@ def replay_contention(program: Program, table: list[list[float]], send: float, c
     return now, busy
 
 
-def fit_send(play, counts: tuple[int, ...], span: float) -> float:
-    """The transfer time making ``play(counts, send)``'s makespan the measured span (0 when already longer)."""
-    if play(counts, 0.0)[0] >= span:
-        return 0.0
-    low, high = 0.0, span
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if play(counts, mid)[0] < span else (low, mid)
-    return (low + high) / 2
-
-
 def errors(rows: list[dict], bubbles) -> tuple[float, float]:
     """Mean and worst |predicted - measured| bubble, points, over the rows' ranks."""
     e = [100 * abs(b - m) for r in rows for b, m in zip(bubbles(tuple(r["counts"])), r["measured"], strict=True)]
@@ -198,15 +188,11 @@ def errors(rows: list[dict], bubbles) -> tuple[float, float]:
 def judge(report: dict, keep: Path, contention: float) -> list[tuple[str, str, tuple[float, float]]]:
     """(model, its fitted figure, (mean, worst error)) for one kept group."""
     model, schedule, rows = report["model"], report["schedule"], report["rows"]
-    spec = json.loads((keep / f"{model}_{schedule}.json").read_text())
-    first = spec["runs"][0]
-    cut = first.index("--parallelism.pipeline_parallel_split_points")
-    base = first[:cut] + first[cut + 6:]  # the job without the split, dump folder and timed steps
+    base, timed = report["job"], report["planner_timed_steps"]
     job = plan_bench.load(base)
     program = program_for(schedule, 2, job.n_microbatches, job.pipeline.stages_per_rank)
     fitted = keep / f"{model}_{schedule}_all_boundaries" / "pipeline_costs.json"  # the planner's split's, as reported
     costs = plan_bench.load(base + ["--parallelism.pipeline_parallel_cost_file", str(fitted)]).pipeline_costs
-    timed = [int(s) for s in first[first.index("--profiling.pipeline_timeline_steps") + 1].split(",")]
     steps = actions_of(keep / f"{model}_{schedule}_0", timed)
     span = statistics.median(json.loads((keep / f"{model}_{schedule}_0" / "profile_traces" /
                                          f"pipeline_timeline_step{s}.json").read_text())["otherData"]["span_us"] / 1e6
@@ -217,7 +203,7 @@ def judge(report: dict, keep: Path, contention: float) -> list[tuple[str, str, t
         def play(counts, send):
             return replayer(program, [[v * scale for v in row] for row in costs.stage_table(counts)], send, figure)
 
-        send = fit_send(play, planner, span)
+        send = transfer_for_span(lambda send: play(planner, send)[0], span)
 
         def bubbles(counts):
             makespan, busy = play(counts, send)

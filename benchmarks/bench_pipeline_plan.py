@@ -326,6 +326,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     # the split the planner picks with the one-device costs (of those measured here), and its paired ratio
     one_device_pick = pick("one_device_s")
     return {"model": model, "schedule": schedule, "splits": len(every), "measured": len(rows),
+            "job": base, "planner_timed_steps": timed[0],  # the overrides all trainers share; the planner's steps
             "planner": points(planner["counts"]), "planner_step": planner["step"], "planner_first_step": first,
             "planner_again_step": again,
             "best": points(best["counts"]), "best_step": best["step"],

@@ -175,6 +175,7 @@ def test_the_pace_models_replay_and_fit_what_they_say(monkeypatch):
     assert [[program.actions[a][::2] for a in q] for q in program.order] == [
         [("F", 0), ("F", 1), ("B", 0), ("B", 1)], [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]
     table = [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]
+
     def flat(result):  # (makespan, busy per rank) as one list
         return [result[0], *result[1]]
 

@@ -10,6 +10,7 @@ them and what it would gain. ``--parallelism.pipeline_parallel_cost_file`` reads
 """
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -116,9 +117,13 @@ class Calibration:
 def fit_transfer(costs: PartCosts, program: Program, counts: tuple[int, ...], span: float) -> float:
     """The time of one transfer between ranks that makes the simulated step as long as the measured span:
     what the measured step has beyond its compute in the schedule's order (0 when it has nothing)."""
-    def makespan(send: float) -> float:
-        return Simulator(replace(costs, send=send), program).predict(counts).makespan
+    return transfer_for_span(lambda send: Simulator(replace(costs, send=send), program).predict(counts).makespan,
+                             span)
 
+
+def transfer_for_span(makespan: Callable[[float], float], span: float) -> float:
+    """The transfer time at which ``makespan(send)`` (growing with it) reaches ``span``; 0 when it is reached
+    with none."""
     if makespan(0.0) >= span:
         return 0.0
     low, high = 0.0, span
