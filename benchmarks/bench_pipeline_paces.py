@@ -239,6 +239,10 @@ def main() -> None:
     groups = sorted(p.name.removesuffix("_steps.json").split("_", 1) for p in args.keep.glob("*_steps.json"))
     if not groups:
         parser.error(f"--keep: {args.keep} holds no launch of bench_pipeline_plan (no *_steps.json)")
+    for model, schedule in groups:
+        if model not in plan_bench.MODELS or schedule not in plan_bench.SCHEDULES:
+            parser.error(f"--keep: {args.keep} holds a launch of {model} {schedule}, which bench_pipeline_plan"
+                         f" does not run (models {', '.join(plan_bench.MODELS)})")
     args.reuse = True
     print("| model | schedule | pace model | fitted | bubble error, mean / worst (points) |\n|---|---|---|---|---|")
     for model, schedule in groups:
