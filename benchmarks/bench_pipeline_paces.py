@@ -40,7 +40,8 @@ sys.path.insert(0, str(REPO))
 import bench_pipeline_plan as plan_bench  # noqa: E402  (beside this script)
 
 from trainer.parallel.pipeline_calibration import transfer_for_span  # noqa: E402
-from trainer.parallel.schedule_sim import KIND_INDEX, Deadlock, Program, program_for, replay  # noqa: E402
+from trainer.parallel.pipeline_cost import fit_pace, pace_spread  # noqa: E402
+from trainer.parallel.schedule_sim import KIND_INDEX, Deadlock, Program, program_for, replay_paced  # noqa: E402
 
 IDLE = 1e-3  # seconds a rank must idle before an action for it to count as started after idling
 
@@ -93,21 +94,11 @@ def fit_contention(steps: list[list[dict]]) -> tuple[float, float]:
 
 
 def fit_own_wait(rows: list[dict]) -> float:
-    """k of pace = a (1 + k bubble) over the given splits' ranks: a block's forward and backward time (each over
-    its mean across them) against the rank's measured bubble, least squares, slope over intercept."""
-    xs, ys = [], []
-    for kind in ("forward", "backward"):
-        mean = statistics.mean(r["block_s"][kind][q] for r in rows for q in range(2))
-        for r in rows:
-            for q in range(2):
-                xs.append(r["measured"][q])
-                ys.append(r["block_s"][kind][q] / mean)
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    spread = sum((x - mx) ** 2 for x in xs)
-    if not spread:  # every rank waited alike: nothing to fit
-        return 0.0
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread
-    return slope / (my - slope * mx)
+    """k of pace = a (1 + k bubble) over the given splits' ranks (``pipeline_cost.fit_pace``, which the trainer's
+    pipeline_parallel_pace_files use), 0 when every rank waited alike."""
+    runs = [{"rank_bubble": r["measured"], "rank_block_s": r["block_s"]} for r in rows]
+    low, high = pace_spread(runs)
+    return fit_pace(runs) if high > low else 0.0
 
 
 def replay_idle(program: Program, table: list[list[float]], send: float, w: float) -> tuple[float, list[float]]:
@@ -132,14 +123,9 @@ def replay_idle(program: Program, table: list[list[float]], send: float, w: floa
 
 
 def replay_own_wait(program: Program, table: list[list[float]], send: float, k: float) -> tuple[float, list[float]]:
-    """replay's makespan and busy times, each rank's actions costing 1 + k x its own bubble (a fixed point:
-    eight rounds)."""
-    owner = program.owner()
-    scale = [1.0] * program.num_ranks
-    for _ in range(8):
-        makespan, busy = replay(program, [[v * scale[owner[s]] for s, v in enumerate(row)] for row in table], send)
-        scale = [1 + k * (1 - b / makespan) for b in busy]
-    return makespan, busy
+    """replay's makespan and busy times, each rank's actions costing 1 + k x its own bubble (the planner's
+    ``schedule_sim.replay_paced``)."""
+    return replay_paced(program, table, send, k)
 
 
 def replay_contention(program: Program, table: list[list[float]], send: float, c: float) -> tuple[float, list[float]]:

@@ -169,6 +169,7 @@ class KeptLaunchDiffers(Exception):
 def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) -> dict:
     import torch
 
+    from trainer.errors import ConfigError
     from trainer.train import build_calibration
 
     def job(steps: int) -> list[str]:  # the group's overrides; --training.steps sets the learning-rate schedule
@@ -247,19 +248,26 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     # them: what the previous version timed).
     last = p.num_stages - 1
 
-    def refit(name: str, keep) -> Simulator:
+    def refit(name: str, keep, i: int = 0) -> Simulator:
+        """Split ``i``'s recorded actions fitted as its timed run's calibration does (lead and tail parts where
+        ``keep(stage, part)``), written to the folder ``name``; a Simulator with those costs."""
         folder = tmp / f"{model}_{schedule}_{name}"
-        calibration = build_calibration(plan, torch.device("cpu"), folder, program)
+        own = plan if i == 0 else load(base + ["--parallelism.pipeline_parallel_split_points", points(runs[i])])
+        calibration = build_calibration(own, torch.device("cpu"), folder, program)
         actions, parts, spans = [], [], []
-        for step in timed[0]:
-            trace = json.loads((dumps[0] / "profile_traces" / f"pipeline_timeline_step{step}.json").read_text())
+        for step in timed[i]:
+            trace = json.loads((dumps[i] / "profile_traces" / f"pipeline_timeline_step{step}.json").read_text())
             events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
             actions += [(e["args"]["action"], e["args"]["stage"], e["dur"] / 1e6) for e in events]
             parts += [(a["action"], a["stage"], part, a[f"{part}_ms"] / 1e3) for a in (e["args"] for e in events)
                       for part in ("lead", "tail") if f"{part}_ms" in a and keep(a["stage"], part)]
+            parts += [(a["action"], a["stage"], "blocks", sum(a["blocks_ms"]) / 1e3)
+                      for a in (e["args"] for e in events) if a.get("blocks_ms")]
             spans.append(trace["otherData"]["span_us"] / 1e6)
-        # one call with every step's actions: the fit takes per-action means, the transfer the median span
-        calibration.add(timed[0][-1], actions, {}, statistics.median(spans), parts)
+        # one call with every step's actions: the fit takes per-action means, the transfer the median span, the
+        # pace each rank's median bubble
+        bubbles = dict(enumerate(measured_bubbles([dumps[i]], timed[i])))
+        calibration.add(timed[i][-1], actions, bubbles, statistics.median(spans), parts)
         return Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
                                       str(folder / "pipeline_costs.json")]).pipeline_costs, program)
 
@@ -268,6 +276,25 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     esim = refit("ends_only", lambda stage, part: (stage, part) in ((0, "lead"), (last, "tail")))
     osim = Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file", str(one_device)]).pipeline_costs,
                      program)
+    # A second timed run for the pace: the measured split whose ranks the calibrated costs predict to wait most
+    # unequally (what the docs advise a user to time), its costs fitted as its own calibration would write them;
+    # the planner's costs then priced with the pace both runs fit (that split then left out of the figures).
+    def unequal(counts: tuple[int, ...]) -> float:
+        a, b = predicted_bubbles(csim, counts)
+        return abs(a - b)
+
+    lopsided = max(range(1, len(runs)), key=lambda i: unequal(runs[i]), default=None)
+    psim = None
+    if lopsided is not None:
+        refit("pace_run", lambda stage, part: True, lopsided)
+        try:
+            psim = Simulator(load(base + [
+                "--parallelism.pipeline_parallel_cost_file", str(tmp / f"{model}_{schedule}_all_boundaries"
+                                                                 / "pipeline_costs.json"),
+                "--parallelism.pipeline_parallel_pace_files", str(tmp / f"{model}_{schedule}_pace_run"
+                                                                  / "pipeline_costs.json")]).pipeline_costs, program)
+        except ConfigError as e:  # e.g. ranks that all waited alike: the table says why
+            print(f"{model} {schedule}: no pace fitted: {e}", file=sys.stderr)
     rows = []
     for i, counts in enumerate(runs):
         rows.append({"counts": counts, "step": statistics.median(steps_of[i]), "steps": len(steps_of[i]),
@@ -278,6 +305,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      "after_whole_stages": predicted_bubbles(wsim, counts),
                      "after_ends_only": predicted_bubbles(esim, counts),
                      "one_device": predicted_bubbles(osim, counts), "one_device_s": osim.predict(counts).makespan,
+                     "after_two_runs": predicted_bubbles(psim, counts) if psim and i != lopsided else None,
                      # each rank's mean seconds per block and microbatch, forward and backward (B or I)
                      "block_s": per_block(dumps[i], timed[i]),
                      "predicted_s": csim.predict(counts).makespan,
@@ -312,8 +340,11 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     # ratio, which this machine's drift over the launch moves least
     ratio_err = [abs(r["predicted_s"] / rows[0]["predicted_s"] - r["paired"]) * 100 for r in rows[1:]]
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
-    err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows for i in range(2)]
-           for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device")}
+    err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows if r[k] is not None for i in range(2)]
+           for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device", "after_two_runs")}
+    # the one-run calibration over the rows the two-run one is judged on (all but the pace run's split)
+    err["after_same_rows"] = [abs(r["after"][i] - r["measured"][i]) * 100 for r in rows
+                              if r["after_two_runs"] is not None for i in range(2)]
     # the measurement against itself: each split's odd rounds' median bubble against its even rounds'
     apart = [100 * d for r in rows if r["halves_apart"] for d in r["halves_apart"]]
     # predictions equal but for their last bits (splits with the same blocks on each rank; two reports from the
@@ -340,6 +371,10 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                                               max(err["after_whole_stages"])),
             "bubble_err_after_ends_only": (statistics.mean(err["after_ends_only"]), max(err["after_ends_only"])),
             "bubble_err_one_device": (statistics.mean(err["one_device"]), max(err["one_device"])),
+            **{f"bubble_err_{k}": ((statistics.mean(err[k]), max(err[k])) if err[k] else (float("nan"),) * 2)
+               for k in ("after_two_runs", "after_same_rows")},
+            "pace_run": points(runs[lopsided]) if lopsided is not None else None,
+            "pace": psim.costs.pace if psim else None,
             "one_device_pick": points(one_device_pick["counts"]), "one_device_pick_paired": one_device_pick["paired"],
             "slower_when_waiting": slower_when_waiting(rows),
             "faster_beside_waiting": faster_beside_a_waiting_rank(rows),
@@ -484,6 +519,16 @@ def main() -> None:
                                                                          "bubble_err_one_device"))
         print(f"| {r['model']} | {r['schedule']} | {errors}"
               f" | {r['one_device_pick']}: {r['one_device_pick_paired']:.3f} |")
+    print("\nCalibrated from two timed runs: the planner's split and a pace run, the measured split whose ranks the"
+          " one-run calibration predicts to wait most unequally (--parallelism.pipeline_parallel_pace_files): the"
+          " pace k fitted (a rank's actions cost 1 + k x its bubble) and the bubble's error (points, mean / worst)"
+          " over every measured split but the pace run's, beside the one run's over the same splits:\n")
+    print("| model | schedule | pace run | k | after, one run | after, two runs |\n|---|---|---|---:|---|---|")
+    for r in results:
+        if r["pace"] is not None:
+            print(f"| {r['model']} | {r['schedule']} | {r['pace_run']} | {r['pace']:+.3f}"
+                  f" | {r['bubble_err_after_same_rows'][0]:.1f} / {r['bubble_err_after_same_rows'][1]:.1f}"
+                  f" | {r['bubble_err_after_two_runs'][0]:.1f} / {r['bubble_err_after_two_runs'][1]:.1f} |")
     print("\nA block's time on the ranks that waited (measured bubble 40% or more) against those that hardly did"
           " (under 15%), over every split and rank (ms per block and microbatch, medians; how many rank-splits):\n")
     print("| model | schedule | forward: busy / waiting (ratio) | backward: busy / waiting (ratio) |")

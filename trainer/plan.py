@@ -11,7 +11,8 @@ recomputes what it holds.
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from trainer.config import JobConfig
+from trainer.config.schedules import traits_of
 from trainer.config.validate import check_batch
 from trainer.dtypes import torch_dtype
 from trainer.env import device_type
@@ -30,8 +32,10 @@ from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs, schedule_traits
-from trainer.parallel.pipeline_cost import PartCosts, flop_costs, part_flops, read_cost_file, calibrated_costs
-from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
+from trainer.parallel.pipeline_calibration import fit_transfer
+from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PartCosts, calibrated_costs,
+                                            fit_pace, flop_costs, pace_spread, part_flops, read_cost_file)
+from trainer.parallel.schedule_sim import bubble_fraction, program_for, schedule_ops
 from trainer.parallel.technique import ChunkSetup, PlanFacts
 
 logger = logging.getLogger(__name__)
@@ -427,14 +431,52 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
     if not p.pipeline_parallel_cost_file:
         return flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute,
                           flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, **link)
-    measured = read_cost_file(p.pipeline_parallel_cost_file, cost_identity(config, n_blocks, dims.tp, dims.cp))
+    identity = cost_identity(config, n_blocks, dims.tp, dims.cp)
+    measured = read_cost_file(p.pipeline_parallel_cost_file, identity)
     where = measured["measured"]
     send = where.get("transfer_s", link["link_latency"] + send_bytes / link["link_bytes_per_second"])
     counts = where.get("counts")
     how = (f"{where['method']} ({where.get('device')}); transfers priced by the link settings" if "method" in where
            else f"{where.get('schedule')} on {where.get('device')}, split {where.get('split_points')}")
-    return calibrated_costs(units, measured["fit"], send=send, measured_counts=tuple(counts) if counts else None,
-                            source=f"measured ({p.pipeline_parallel_cost_file}: {how})")
+    costs = calibrated_costs(units, measured["fit"], send=send, measured_counts=tuple(counts) if counts else None,
+                             source=f"measured ({p.pipeline_parallel_cost_file}: {how})")
+    if p.pipeline_parallel_pace_files:
+        costs = paced_costs(costs, where, [read_cost_file(f, identity, PACE_FILES_KEY)["measured"]
+                                           for f in p.pipeline_parallel_pace_files])
+    return costs
+
+
+def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
+    """``costs`` (fitted to the run ``where`` describes) with the pace ``fit_pace`` finds over that run and
+    ``others`` (timed runs on other splits): each action's price as at no wait (the run's costs over its ranks'
+    mean pace), and the transfer fitted again so that the run's paced step lasts its measured span."""
+    runs = [where, *others]
+    for i, run in enumerate(runs):
+        if "rank_bubble" not in run or "rank_block_s" not in run:
+            key = COST_FILE_KEY if i == 0 else PACE_FILES_KEY
+            raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} recorded no per-rank"
+                              " bubble and block times (a cost file of a timed pipeline run of this version, with"
+                              " more than one timed step or its bubble, has them); time it again")
+    low, high = pace_spread(runs)
+    if high - low < MIN_PACE_SPREAD:
+        raise ConfigError(f"{PACE_FILES_KEY}: the timed runs' ranks all waited {100 * low:.1f}-{100 * high:.1f}% of"
+                          f" their step, too alike to fit how a rank's pace follows its wait (at least"
+                          f" {100 * MIN_PACE_SPREAD:.0f} points apart); time a split whose ranks wait unequally")
+    k = fit_pace(runs)
+    if k <= -1:
+        raise ConfigError(f"{PACE_FILES_KEY}: the timed runs give a rank that waits a pace of 1 + {k:.2f} x its"
+                          " bubble, which reaches zero: too noisy to plan with; time more steps")
+    scale = 1 / (1 + k * statistics.fmean(where["rank_bubble"]))
+    paced = replace(costs, parts={kind: tuple(v * scale for v in values) for kind, values in costs.parts.items()},
+                    overhead={kind: v * scale for kind, v in costs.overhead.items()}, pace=k,
+                    source=costs.source[:-1] + f"; a rank's actions cost 1 + {k:.3f} x its bubble, fitted over the"
+                    f" ranks of {len(runs)} timed runs, splits " + "; ".join(str(r.get("split_points")) for r in runs)
+                    + ")")
+    schedule, counts = where.get("schedule"), where.get("counts")
+    if "span_s" in where and where.get("n_microbatches") and counts and not traits_of(schedule).from_file:
+        program = program_for(schedule, where["pp"], where["n_microbatches"], len(counts) // where["pp"])
+        paced = replace(paced, send=fit_transfer(paced, program, tuple(counts), where["span_s"]))
+    return paced
 
 
 def activation_sections(config: JobConfig) -> dict:

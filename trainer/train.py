@@ -255,7 +255,7 @@ def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program
         program=program, path=folder / "pipeline_costs.json",
         identity=cost_identity(plan.config, sum(len(s.blocks) for s in pipeline.stages), plan.dims.tp, plan.dims.cp),
         measured={"schedule": pipeline.schedule, "pp": pipeline.pp, "device": device.type,
-                  "split_points": pipeline.split_points()},
+                  "split_points": pipeline.split_points(), "n_microbatches": plan.n_microbatches},
         layers_attr=plan.spec.layers_attr)
 
 

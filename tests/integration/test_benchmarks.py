@@ -158,6 +158,15 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
             assert sequence[k - 1][0] == sequence[k + 1][0] == 0
             assert row["paired"] == pytest.approx(sequence[k][1] / beside)
     assert (tmp_path / "tiny_ZBVZeroBubble_all_boundaries" / "pipeline_costs.json").is_file()
+    # the pace run: of the other splits, the one the calibrated costs predict to wait most unequally; its costs
+    # record its measured bubbles, and every other split is predicted with the pace both runs fit
+    pace_row = max(rows[1:], key=lambda r: abs(r["after"][0] - r["after"][1]))
+    assert report["pace_run"] == bench.points(tuple(pace_row["counts"]))
+    recorded = json.loads((tmp_path / "tiny_ZBVZeroBubble_pace_run" / "pipeline_costs.json").read_text())["measured"]
+    assert recorded["rank_bubble"] == pytest.approx(pace_row["measured"])
+    assert recorded["split_points"] == bench.points(tuple(pace_row["counts"])).split(",")
+    assert all((r["after_two_runs"] is None) == (r is pace_row) for r in rows)
+    assert all(0 <= b < 1 for r in rows if r is not pace_row for b in r["after_two_runs"])
 
 
 def test_the_pace_models_replay_and_fit_what_they_say(monkeypatch):

@@ -5,6 +5,7 @@ import itertools
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -381,3 +382,135 @@ def test_among_equal_steps_the_most_even_stages_win():
     for search in (search_splits(sim), search_splits(sim, budget=40, enumerate_up_to=0)):
         assert search.best[0].makespan == next(iter(ties.values()))
         assert search.best[0].counts == (1, 5, 5, 1), (search.exact, [p.counts for p in search.best])
+
+
+def pace_costs(f: tuple[float, ...], b: tuple[float, ...], pace: float) -> PartCosts:
+    """Blocks of forward costs ``f`` and full backward ``b`` (input and weight gradient half each), no embedding,
+    output or per-action cost."""
+    parts = {"F": (0.0, *f, 0.0), "B": (0.0, *b, 0.0), "I": (0.0, *(x / 2 for x in b), 0.0),
+             "W": (0.0, *(x / 2 for x in b), 0.0)}
+    return PartCosts(parts, {k: 0.0 for k in KINDS}, 0.0, "s", "test", pace=pace)
+
+
+def test_a_paced_step_is_the_fixed_point_of_each_ranks_wait():
+    """1F1B on 2 ranks, 2 microbatches, stage 0: F 1 B 2, stage 1: F 2 B 4, each times its rank's pace p0, p1.
+    Worked by hand (while 2 p0 < 6 p1): rank 0 F0 F1 to 2 p0; rank 1 F0 from p0, B0 to p0 + 6 p1, F1, B1 to
+    p0 + 12 p1; rank 0's B0 from there to 3 p0 + 6 p1, its B1 after rank 1's, to 3 p0 + 12 p1: the step. Busy
+    6 p0 and 12 p1. At pace 0 that is 15 s, busy 6 and 12; with k = 0.5 each p is 1 + k x its rank's bubble in
+    the step it makes, and rank 0, which waits more, runs slower."""
+    program = program_for("1F1B", 2, 2, 1)
+    plain = Simulator(pace_costs((1.0, 2.0), (2.0, 4.0), 0.0), program).predict((1, 1))
+    assert (plain.makespan, plain.busy) == (15.0, (6.0, 12.0))
+    k = 0.5
+    paced = Simulator(pace_costs((1.0, 2.0), (2.0, 4.0), k), program).predict((1, 1))
+    p0, p1 = paced.busy[0] / 6, paced.busy[1] / 12
+    assert paced.makespan == pytest.approx(3 * p0 + 12 * p1, rel=1e-12) and 2 * p0 < 6 * p1
+    assert p0 == pytest.approx(1 + k * paced.bubble(0), rel=1e-8)
+    assert p1 == pytest.approx(1 + k * paced.bubble(1), rel=1e-8)
+    assert p0 > p1 > 1
+
+
+PACED_CASES = [("1F1B", 2, 1, 4), ("Interleaved1F1B", 2, 2, 4), ("ZBVZeroBubble", 2, 2, 4), ("DualPipeV", 2, 2, 4),
+               ("ZBVZeroBubble", 3, 2, 6)]
+
+
+@pytest.mark.parametrize("schedule,pp,per_rank,m", PACED_CASES)
+def test_the_planner_finds_the_exhaustive_optimum_with_a_pace(schedule, pp, per_rank, m):
+    """With a pace that grows or falls with a rank's wait (k = 0.3, -0.6), the enumeration and the branch and
+    bound (its bound on a rank's priced load sound for any k > -1: the planner's docstring) still return brute
+    force's four best (to the fixed point's tolerance)."""
+    rng = random.Random(len(schedule) * 10 + pp)
+    program = program_for(schedule, pp, m, per_rank)
+    for k in (0.3, -0.6):
+        costs = random_costs(rng, pp * per_rank + rng.randint(2, 5), send=0.3)
+        sim = Simulator(PartCosts(costs.parts, costs.overhead, costs.send, "units", "random", pace=k), program)
+        every = brute_force(sim)
+        for search in (search_splits(sim), search_splits(sim, enumerate_up_to=0)):
+            assert search.exact
+            assert [p.makespan for p in search.best] == pytest.approx(every[:4], rel=1e-9)
+
+
+def test_the_pace_fit_gets_back_the_planted_pace():
+    """Blocks timed a x (1 + 0.2 x their rank's bubble), a of its own for forward and backward: the fit returns 0.2,
+    and a rank with no backward blocks (None, or NaN as the benchmark writes it) is left out of that kind."""
+    from trainer.parallel.pipeline_cost import fit_pace, pace_spread
+
+    def run(bubbles, skip=None):
+        return {"rank_bubble": bubbles,
+                "rank_block_s": {"forward": [0.007 * (1 + 0.2 * b) for b in bubbles],
+                                 "backward": [skip if skip is not None and r == 0 else 0.013 * (1 + 0.2 * b)
+                                              for r, b in enumerate(bubbles)]}}
+
+    assert fit_pace([run([0.1, 0.4]), run([0.3, 0.05])]) == pytest.approx(0.2)
+    assert fit_pace([run([0.1, 0.4], None), run([0.3, 0.05], float("nan"))]) == pytest.approx(0.2)
+    assert pace_spread([run([0.1, 0.4]), run([0.3, 0.05])]) == (0.05, 0.4)
+
+
+def test_pace_files_price_every_split_with_the_pace_the_timed_runs_fit(tmp_path):
+    """A timed run whose blocks ran 1 + 0.25 x their rank's bubble slower (bubbles 10% / 30%) writes each rank's
+    bubble and block times; with a second run's file (ranks waiting 2% / 50%) the plan fits k = 0.25, prices each
+    action as at no wait (the run's costs over its ranks' mean pace 1 + 0.25 x 0.2), fits the transfer so that
+    the run's paced step lasts its measured 0.5 s, and the dry run says so. What cannot fit a pace is one line."""
+    import torch
+
+    from trainer.train import build_calibration
+
+    plan = load_plan(PP2_ZBV)
+    program = program_for("ZBVZeroBubble", 2, plan.n_microbatches, 2)
+    counts, k = plan.pipeline.counts, 0.25
+    pace = {0: 1 + k * 0.1, 1: 1 + k * 0.3}
+    owner = program.owner()
+    actions, parts = [], []
+    for s, c in enumerate(counts):
+        p = pace[owner[s]]
+        actions += [("F", s, 5e-3 * c * p), ("W", s, (8e-3 if s == 0 else 3e-3) * c * p)]
+        parts += [("F", s, "blocks", 4e-3 * c * p), ("W", s, "blocks", (8e-3 if s == 0 else 3e-3) * c * p)]
+        if s:
+            actions.append(("I", s, 6e-3 * c * p))
+            parts.append(("I", s, "blocks", 5e-3 * c * p))
+    build_calibration(plan, torch.device("cpu"), tmp_path / "a", program).add(5, actions * 8, {0: 0.1, 1: 0.3}, 0.5,
+                                                                               parts * 8)
+    first = tmp_path / "a" / "pipeline_costs.json"
+    data = json.loads(first.read_text())
+    assert data["measured"]["rank_bubble"] == [0.1, 0.3]
+    # forward F; backward I, the first stage's W (its whole split backward) left out
+    assert data["measured"]["rank_block_s"]["forward"] == pytest.approx([4e-3 * pace[0], 4e-3 * pace[1]])
+    assert data["measured"]["rank_block_s"]["backward"] == pytest.approx([5e-3 * pace[0], 5e-3 * pace[1]])
+
+    def second(bubbles, **changes):
+        path = tmp_path / f"second_{len(list(tmp_path.iterdir()))}.json"
+        measured = {**data["measured"], "split_points": ["layers.1", "layers.2", "layers.5"], "rank_bubble": bubbles,
+                    "rank_block_s": {kind: [a * (1 + k * b) for b in bubbles]
+                                     for kind, a in (("forward", 4e-3), ("backward", 5e-3))}}
+        path.write_text(json.dumps({**data, "measured": {**measured, **changes}}))
+        return str(path)
+
+    cost = ["--parallelism.pipeline_parallel_cost_file", str(first)]
+    paced_plan = load_plan(PP2_ZBV + cost + ["--parallelism.pipeline_parallel_pace_files", second([0.02, 0.5])])
+    paced, plain = paced_plan.pipeline_costs, load_plan(PP2_ZBV + cost).pipeline_costs
+    assert paced.pace == pytest.approx(k, rel=1e-9)
+    for kind in KINDS:
+        assert paced.parts[kind] == pytest.approx([v / (1 + k * 0.2) for v in plain.parts[kind]], rel=1e-9)
+    assert Simulator(paced, program).predict(counts).makespan == pytest.approx(0.5, rel=1e-6)
+    assert "a rank's actions cost 1 + 0.250 x its bubble, fitted over the ranks of 2 timed runs" in describe_plan(
+        paced_plan)
+    with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_pace_files: set pipeline_parallel_cos"):
+        load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_pace_files", second([0.02, 0.5])])
+    alike = tmp_path / "alike.json"
+    alike.write_text(json.dumps({**data, "measured": {**data["measured"], "rank_bubble": [0.1, 0.15]}}))
+    with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_pace_files: the timed runs' ranks all"
+                                          r" waited 10.0-16.0% of their step, too alike"):
+        load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(alike),
+                             "--parallelism.pipeline_parallel_pace_files", second([0.12, 0.16])]).pipeline_costs
+    untimed = second([0.02, 0.5])
+    raw = json.loads(Path(untimed).read_text())
+    del raw["measured"]["rank_bubble"]
+    Path(untimed).write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_pace_files: the run measured on split"
+                                          r" \['layers.1', 'layers.2', 'layers.5'\] recorded no per-rank bubble"):
+        load_plan(PP2_ZBV + cost + ["--parallelism.pipeline_parallel_pace_files", untimed]).pipeline_costs
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**data, "job": {**data["job"], "seq_len": 512}}))
+    with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_pace_files: .*other.json was measured"
+                                          r" with seq_len 512"):
+        load_plan(PP2_ZBV + cost + ["--parallelism.pipeline_parallel_pace_files", str(other)]).pipeline_costs

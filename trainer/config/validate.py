@@ -108,9 +108,14 @@ def _check_parallelism(config: JobConfig) -> None:
             )
     if p.pipeline_parallel_schedule_csv:
         _check_csv_syntax(p.pipeline_parallel_schedule_csv)
+    if p.pipeline_parallel_pace_files and not p.pipeline_parallel_cost_file:
+        raise ConfigError("[parallelism] pipeline_parallel_pace_files: set pipeline_parallel_cost_file too (the timed"
+                          " run whose costs the plan uses; the pace files only add how a rank's pace follows its wait)")
     if p.pipeline_parallel_degree == 1:
         ignored = [k for k, v in (("pipeline_parallel_split_points", p.pipeline_parallel_split_points),
-                                  ("pipeline_parallel_schedule_csv", p.pipeline_parallel_schedule_csv)) if v]
+                                  ("pipeline_parallel_schedule_csv", p.pipeline_parallel_schedule_csv),
+                                  ("pipeline_parallel_cost_file", p.pipeline_parallel_cost_file),
+                                  ("pipeline_parallel_pace_files", p.pipeline_parallel_pace_files)) if v]
         if ignored:
             logger.warning("[parallelism] %s set but pipeline_parallel_degree=1: ignored", ", ".join(ignored))
     if p.tensor_parallel_overrides and p.tensor_parallel_plan != "auto":

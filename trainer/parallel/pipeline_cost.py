@@ -36,6 +36,7 @@ from trainer.models.registry import ModelLayout, model_blocks
 
 KINDS = ("F", "B", "I", "W")
 COST_FILE_KEY = "[parallelism] pipeline_parallel_cost_file"
+PACE_FILES_KEY = "[parallelism] pipeline_parallel_pace_files"
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class PartCosts:
     """Where the numbers come from, for the dry run."""
     measured_counts: tuple[int, ...] | None = None
     """Blocks per stage of the run the costs were measured on (measured costs only)."""
+    pace: float = 0.0
+    """k: every action of a pipeline rank costs 1 + k x that rank's bubble times its price (fitted from timed runs
+    on two or more splits, ``fit_pace``; 0: a rank's pace does not depend on its wait)."""
 
     @property
     def num_blocks(self) -> int:
@@ -273,19 +277,53 @@ IDENTITY_KEYS = {"model": "[model] name / flavor / overrides",
                  "attention": "[model] attn_mask_type / attn_backend"}
 
 
-def read_cost_file(path: str, identity: dict) -> dict:
-    """The measured file's content, refused with one line when it does not describe this job."""
+def read_cost_file(path: str, identity: dict, key: str = COST_FILE_KEY) -> dict:
+    """The measured file's content, refused with one line naming ``key`` when it does not describe this job."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
         fit, job, measured = data["fit"], data["job"], data["measured"]
     except FileNotFoundError:
-        raise ConfigError(f"{COST_FILE_KEY}: {p.resolve()} does not exist") from None
+        raise ConfigError(f"{key}: {p.resolve()} does not exist") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{COST_FILE_KEY}: {p.resolve()} is not a pipeline cost file written by a timed run"
+        raise ConfigError(f"{key}: {p.resolve()} is not a pipeline cost file written by a timed run"
                           f" ({type(e).__name__}: {e})") from None
-    for name, key in IDENTITY_KEYS.items():
+    for name, sets in IDENTITY_KEYS.items():
         if job.get(name) != identity[name]:
-            raise ConfigError(f"{COST_FILE_KEY}: {p} was measured with {name} {job.get(name)!r}, this job has"
-                              f" {identity[name]!r} ({key}); measure again with this job's settings")
+            raise ConfigError(f"{key}: {p} was measured with {name} {job.get(name)!r}, this job has"
+                              f" {identity[name]!r} ({sets}); measure again with this job's settings")
     return {"fit": fit, "measured": measured}
+
+
+PACE_KINDS = ("forward", "backward")
+MIN_PACE_SPREAD = 0.10
+"""The least difference between the most and the least waiting rank of the timed runs that fits a pace."""
+
+
+def fit_pace(runs: list[dict]) -> float:
+    """k of a block's pace = a x (1 + k x its rank's bubble), from timed runs' ``measured`` records: each pipeline
+    rank's bubble (``rank_bubble``) and its mean seconds per block and microbatch, forward and backward
+    (``rank_block_s``; a rank without that kind's blocks, None or NaN, is left out). Per kind, its times against
+    the ranks' bubbles, least squares, slope over intercept; the kinds' k weighted by how far their bubbles spread.
+    Ranks that waited alike cannot fit it: see ``pace_spread``."""
+    estimates = []
+    for kind in PACE_KINDS:
+        points = [(bubble, seconds) for run in runs
+                  for bubble, seconds in zip(run["rank_bubble"], run["rank_block_s"][kind], strict=True)
+                  if seconds is not None and not math.isnan(seconds)]
+        if len(points) < 2:
+            continue
+        mx, my = (statistics.fmean(p[i] for p in points) for i in (0, 1))
+        spread = math.fsum((x - mx) ** 2 for x, _ in points)
+        if spread:
+            slope = math.fsum((x - mx) * (y - my) for x, y in points) / spread
+            estimates.append((slope / (my - slope * mx), spread))
+    if not estimates:  # no kind timed on ranks that waited differently
+        return 0.0
+    return math.fsum(k * w for k, w in estimates) / math.fsum(w for _, w in estimates)
+
+
+def pace_spread(runs: list[dict]) -> tuple[float, float]:
+    """The least and the most any rank of the runs waited (bubble fractions)."""
+    bubbles = [b for run in runs for b in run["rank_bubble"]]
+    return min(bubbles), max(bubbles)

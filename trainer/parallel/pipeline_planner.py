@@ -10,7 +10,10 @@ among those whose every rank fits the memory limit.
 Search: every split when there are at most ``budget`` of them (exact). Otherwise a depth-first
 branch and bound over the cut positions, seeded with the stage-balanced split improved by moving
 one block at a time between any two stages: a rank's busy time never exceeds the makespan, so any
-partial split whose busiest rank already exceeds the best makespans kept is dropped unseen. If the
+partial split whose busiest rank already exceeds the best makespans kept is dropped unseen. That
+holds for the priced loads when a rank's pace follows its wait too (``PartCosts.pace`` = k > -1):
+its paced busy time is b = L (1 + k (1 - b / M)) for its priced load L and the step M, so
+b = L (1 + k) / (1 + k L / M), and M < L would make b > L > M (k < 0) or b >= L > M (k >= 0). If the
 budget runs out first, the result is still a valid split and the search states a lower bound on the
 optimum (the smallest bound of the parts it did not explore), so the gap is known.
 """
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainer.parallel.pipeline_cost import KINDS, PartCosts
-from trainer.parallel.schedule_sim import Program, replay
+from trainer.parallel.schedule_sim import PACE_ROUNDS, Program, replay, replay_paced
 
 # Action-replays per search (actions x candidates): about a second of Python at worst.
 REPLAY_BUDGET = 200_000
@@ -61,6 +64,7 @@ class Simulator:
     def __init__(self, costs: PartCosts, program: Program):
         self.costs, self.program = costs, program
         self.stage_ids = [sorted({program.actions[a][1] for a in ids}) for ids in program.order]
+        self.owner = program.owner()
         # Actions of each kind per stage: a rank's busy time is sum(count x cost).
         self.counts = [[0] * program.num_stages for _ in KINDS]
         for kind, stage, _ in program.actions:
@@ -69,8 +73,15 @@ class Simulator:
     def stage_load(self, table: list[list[float]], stage: int) -> float:
         return sum(self.counts[k][stage] * table[k][stage] for k in range(len(KINDS)))
 
+    @property
+    def replays(self) -> int:
+        """Replays of the schedule per predicted split (more when a rank's pace follows its wait)."""
+        return 1 + PACE_ROUNDS * bool(self.costs.pace)
+
     def predict(self, counts: tuple[int, ...], spans: list | None = None) -> Prediction:
-        makespan, busy = replay(self.program, self.costs.stage_table(counts), self.costs.send, spans)
+        table, send, pace = self.costs.stage_table(counts), self.costs.send, self.costs.pace
+        makespan, busy = (replay_paced(self.program, table, send, pace, spans) if pace else
+                          replay(self.program, table, send, spans))
         return Prediction(tuple(counts), makespan, tuple(busy))
 
 
@@ -84,7 +95,7 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     ``enumerate_up_to``: list every split when there are at most this many (default: the budget)."""
     n, stages = sim.costs.num_blocks, sim.program.num_stages
     if budget is None:
-        budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions), 1))
+        budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions) * sim.replays, 1))
     total = math.comb(n - 1, stages - 1)
     # A max-heap of the best by (makespan, then the sum of squared stage loads), negated: where the
     # simulation cannot tell splits apart (a rank off the critical path holds two stages: any division
@@ -150,7 +161,7 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     extra_first = sim.stage_load(one, 0) - per_block[0]
     extra_last = sim.stage_load(table, stages - 1) - per_block[0] * (n - stages + 1)
     total = per_block[0] * n + extra_first + extra_last
-    owner = {s: r for r, ids in enumerate(sim.stage_ids) for s in ids}
+    owner = sim.owner
     share = total / len(sim.stage_ids)
     target = []
     for s in range(stages):
@@ -200,7 +211,7 @@ def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, 
                       state: dict) -> float | None:
     """Visit the splits whose busiest rank stays under the current threshold; None when all were seen,
     else the smallest rank-load bound among the parts left unexplored when the budget ran out."""
-    owner = {s: r for r, ids in enumerate(sim.stage_ids) for s in ids}
+    owner = sim.owner
     unexplored = [math.inf]
     loads = [0.0] * len(sim.stage_ids)
 
