@@ -97,8 +97,7 @@ def fit_own_wait(rows: list[dict]) -> float:
     """k of pace = a (1 + k bubble) over the given splits' ranks (``pipeline_cost.fit_pace``, which the trainer's
     pipeline_parallel_pace_files use), 0 when every rank waited alike."""
     runs = [{"rank_bubble": r["measured"], "rank_block_s": r["block_s"]} for r in rows]
-    low, high = pace_spread(runs)
-    return fit_pace(runs) if high > low else 0.0
+    return fit_pace(runs) if pace_spread(runs) else 0.0
 
 
 def replay_idle(program: Program, table: list[list[float]], send: float, w: float) -> tuple[float, list[float]]:

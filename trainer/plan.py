@@ -33,8 +33,9 @@ from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs, schedule_traits
 from trainer.parallel.pipeline_calibration import fit_transfer
-from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PartCosts, calibrated_costs,
-                                            fit_pace, flop_costs, pace_spread, part_flops, read_cost_file)
+from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PACE_RANGE, PartCosts,
+                                            calibrated_costs, fit_pace, flop_costs, pace_spread, part_flops,
+                                            read_cost_file)
 from trainer.parallel.schedule_sim import bubble_fraction, program_for, schedule_ops
 from trainer.parallel.technique import ChunkSetup, PlanFacts
 
@@ -457,15 +458,16 @@ def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
             raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} recorded no per-rank"
                               " bubble and block times (a cost file of a timed pipeline run of this version, with"
                               " more than one timed step or its bubble, has them); time it again")
-    low, high = pace_spread(runs)
-    if high - low < MIN_PACE_SPREAD:
-        raise ConfigError(f"{PACE_FILES_KEY}: the timed runs' ranks all waited {100 * low:.1f}-{100 * high:.1f}% of"
-                          f" their step, too alike to fit how a rank's pace follows its wait (at least"
-                          f" {100 * MIN_PACE_SPREAD:.0f} points apart); time a split whose ranks wait unequally")
+    if (spread := pace_spread(runs)) < MIN_PACE_SPREAD:
+        raise ConfigError(f"{PACE_FILES_KEY}: within each timed run the ranks waited alike (at most"
+                          f" {100 * spread:.1f} points apart), too alike to fit how a rank's pace follows its wait"
+                          f" (at least {100 * MIN_PACE_SPREAD:.0f} points apart in one run); time a split whose ranks"
+                          " wait unequally")
     k = fit_pace(runs)
-    if k <= -1:
-        raise ConfigError(f"{PACE_FILES_KEY}: the timed runs give a rank that waits a pace of 1 + {k:.2f} x its"
-                          " bubble, which reaches zero: too noisy to plan with; time more steps")
+    if not PACE_RANGE[0] + 1e-3 < k < PACE_RANGE[1] - 1e-3:
+        raise ConfigError(f"{PACE_FILES_KEY}: the timed runs' block times fit a pace of 1 + {k:.2f} x a rank's"
+                          f" bubble, the end of the range searched ({PACE_RANGE[0]} to {PACE_RANGE[1]}): too noisy"
+                          " to plan with; time more steps")
     scale = 1 / (1 + k * statistics.fmean(where["rank_bubble"]))
     paced = replace(costs, parts={kind: tuple(v * scale for v in values) for kind, values in costs.parts.items()},
                     overhead={kind: v * scale for kind, v in costs.overhead.items()}, pace=k,

@@ -297,33 +297,46 @@ def read_cost_file(path: str, identity: dict, key: str = COST_FILE_KEY) -> dict:
 
 PACE_KINDS = ("forward", "backward")
 MIN_PACE_SPREAD = 0.10
-"""The least difference between the most and the least waiting rank of the timed runs that fits a pace."""
+"""The least difference between two ranks' bubbles within one timed run that fits a pace."""
+PACE_RANGE = (-0.9, 4.0)
+"""The paces ``fit_pace`` searches; one on either end is too noisy to plan with."""
 
 
 def fit_pace(runs: list[dict]) -> float:
     """k of a block's pace = a x (1 + k x its rank's bubble), from timed runs' ``measured`` records: each pipeline
     rank's bubble (``rank_bubble``) and its mean seconds per block and microbatch, forward and backward
-    (``rank_block_s``; a rank without that kind's blocks, None or NaN, is left out). Per kind, its times against
-    the ranks' bubbles, least squares, slope over intercept; the kinds' k weighted by how far their bubbles spread.
-    Ranks that waited alike cannot fit it: see ``pace_spread``."""
-    estimates = []
-    for kind in PACE_KINDS:
-        points = [(bubble, seconds) for run in runs
-                  for bubble, seconds in zip(run["rank_bubble"], run["rank_block_s"][kind], strict=True)
-                  if seconds is not None and not math.isnan(seconds)]
-        if len(points) < 2:
-            continue
-        mx, my = (statistics.fmean(p[i] for p in points) for i in (0, 1))
-        spread = math.fsum((x - mx) ** 2 for x, _ in points)
-        if spread:
-            slope = math.fsum((x - mx) * (y - my) for x, y in points) / spread
-            estimates.append((slope / (my - slope * mx), spread))
-    if not estimates:  # no kind timed on ranks that waited differently
-        return 0.0
-    return math.fsum(k * w for k, w in estimates) / math.fsum(w for _, w in estimates)
+    (``rank_block_s``; a rank without that kind's blocks, None or NaN, is left out).
+
+    Within each run and kind, each rank's time over the mean of its ranks' times: a machine that ran faster in
+    one run than in another (this one drifts by tenths over minutes) cancels, and what is left is how the
+    ranks of one step differ, against how much each waited. k minimises the squared error of (1 + k b) over the
+    run's mean of (1 + k b) against those ratios (golden-section search over PACE_RANGE). Runs whose ranks waited
+    alike carry no weight: see ``pace_spread``."""
+    groups = []
+    for run in runs:
+        for kind in PACE_KINDS:
+            points = [(bubble, seconds) for bubble, seconds in zip(run["rank_bubble"], run["rank_block_s"][kind],
+                                                                   strict=True)
+                      if seconds is not None and not math.isnan(seconds)]
+            if len(points) >= 2:
+                mean = statistics.fmean(t for _, t in points)
+                groups.append([(b, t / mean) for b, t in points])
+
+    def error(k: float) -> float:
+        total = 0.0
+        for group in groups:
+            mean = statistics.fmean(1 + k * b for b, _ in group)
+            total += math.fsum((y - (1 + k * b) / mean) ** 2 for b, y in group)
+        return total
+
+    low, high = PACE_RANGE
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(80):
+        a, b = high - ratio * (high - low), low + ratio * (high - low)
+        low, high = (low, b) if error(a) <= error(b) else (a, high)
+    return (low + high) / 2
 
 
-def pace_spread(runs: list[dict]) -> tuple[float, float]:
-    """The least and the most any rank of the runs waited (bubble fractions)."""
-    bubbles = [b for run in runs for b in run["rank_bubble"]]
-    return min(bubbles), max(bubbles)
+def pace_spread(runs: list[dict]) -> float:
+    """The most two ranks' bubbles differ within one run (a fraction of the step): what the pace is fitted on."""
+    return max(max(run["rank_bubble"]) - min(run["rank_bubble"]) for run in runs)
