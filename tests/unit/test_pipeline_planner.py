@@ -498,6 +498,24 @@ def test_pace_files_price_every_split_with_the_pace_the_timed_runs_fit(tmp_path)
     assert Simulator(paced, program).predict(counts).makespan == pytest.approx(0.5, rel=1e-6)
     assert "a rank's actions cost 1 + 0.250 x its bubble, fitted over the ranks of 2 timed runs" in describe_plan(
         paced_plan)
+    assert "Pace run" not in describe_plan(paced_plan)
+    # without a pace, the dry run names the split to time for one: the one whose ranks' predicted bubbles differ
+    # most (brute force here)
+    sim = Simulator(plain, program)
+    apart = {c: abs(sim.predict(c).bubble(0) - sim.predict(c).bubble(1)) for c in splits_of(6, 4)}
+    lopsided = max(apart, key=apart.get)
+    starts = [sum(lopsided[:i]) for i in (1, 2, 3)]
+    bubbles = " / ".join(f"{100 * sim.predict(lopsided).bubble(r):.1f}%" for r in (0, 1))
+    assert (f"Pace run: a timed run of [layers.{starts[0]}, layers.{starts[1]}, layers.{starts[2]}] (predicted bubble"
+            f" {bubbles}, the most unequal of 10 splits) would fit how a rank's pace follows its wait: name its"
+            " pipeline_costs.json in [parallelism] pipeline_parallel_pace_files") in describe_plan(
+        load_plan(PP2_ZBV + cost))
+    # more splits than the cap: that many drawn (with a fixed seed), the most unequal of those
+    from trainer.parallel.pipeline_planner import most_unequal_split
+
+    drawn, compared = most_unequal_split(sim, cap=4)
+    assert 1 < compared <= 4 and most_unequal_split(sim, cap=4) == (drawn, compared)
+    assert apart[drawn.counts] <= apart[lopsided]
     with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_pace_files: set pipeline_parallel_cos"):
         load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_pace_files", second([0.02, 0.5])])
     alike = tmp_path / "alike.json"

@@ -21,6 +21,7 @@ optimum (the smallest bound of the parts it did not explore), so the gap is know
 import heapq
 import itertools
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,6 +147,27 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
         lower = max(lower, sum(sim.stage_load(sim.costs.stage_table(even), s) for s in range(stages))
                     / len(sim.stage_ids))
     return _result(kept, total, state, exact=lower is None, lower=lower)
+
+
+def most_unequal_split(sim: Simulator, cap: int = 1000) -> tuple[Prediction, int]:
+    """(the split whose ranks' predicted bubbles differ most, how many splits were compared): every contiguous
+    split, or ``cap`` of them drawn with a fixed seed where there are more. A timed run of it fits the pace
+    (``pipeline_cost.fit_pace``) from ranks that wait as unequally as the model allows."""
+    n, stages = sim.costs.num_blocks, sim.program.num_stages
+    rng = random.Random(0)
+    cuts = (itertools.combinations(range(1, n), stages - 1) if math.comb(n - 1, stages - 1) <= cap else
+            [tuple(sorted(rng.sample(range(1, n), stages - 1))) for _ in range(cap)])
+    best, compared = None, set()
+    for cut in cuts:
+        counts = tuple(b - a for a, b in zip((0, *cut), (*cut, n)))
+        if counts in compared:
+            continue
+        compared.add(counts)
+        pred = sim.predict(counts)
+        bubbles = [pred.bubble(r) for r in range(len(pred.busy))]
+        if best is None or max(bubbles) - min(bubbles) > best[0]:
+            best = (max(bubbles) - min(bubbles), pred)
+    return best[1], len(compared)
 
 
 def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
