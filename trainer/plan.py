@@ -455,9 +455,11 @@ def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
     for i, run in enumerate(runs):
         if "rank_bubble" not in run or "rank_block_s" not in run:
             key = COST_FILE_KEY if i == 0 else PACE_FILES_KEY
+            if "method" in run:
+                raise ConfigError(f"{key}: costs measured on one device ({run['method']}) have no pipeline ranks to"
+                                  " fit a pace with: name the pipeline_costs.json of a timed pipeline run")
             raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} recorded no per-rank"
-                              " bubble and block times (a cost file of a timed pipeline run of this version, with"
-                              " more than one timed step or its bubble, has them); time it again")
+                              " bubble and block times (a file written before they were recorded); time it again")
     if (spread := pace_spread(runs)) < MIN_PACE_SPREAD:
         raise ConfigError(f"{PACE_FILES_KEY}: within each timed run the ranks waited alike (at most"
                           f" {100 * spread:.1f} points apart), too alike to fit how a rank's pace follows its wait"
