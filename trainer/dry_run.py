@@ -211,11 +211,11 @@ def predicted_step(plan: JobPlan) -> list[str]:
                      f" {_amount(run.makespan, unit)} predicted with its"
                      f" own measurements; this plan's split {100 * (1 - chosen.makespan / run.makespan):.1f}% shorter")
         if not costs.pace:
-            lopsided, compared = most_unequal_split(sim)
+            lopsided, compared = most_unequal_split(sim, skip=costs.measured_counts)
             lines.append(f"Pace run: a timed run of {_points(lopsided.counts, layers)} (predicted bubble "
                          + " / ".join(f"{100 * lopsided.bubble(r):.1f}%" for r in range(pipeline.pp))
-                         + f", the most unequal of {compared} splits) would fit how a rank's pace follows its wait:"
-                         " name its pipeline_costs.json in [parallelism] pipeline_parallel_pace_files")
+                         + f", the most unequal of {compared} other splits) would fit how a rank's pace follows its"
+                         " wait: name its pipeline_costs.json in [parallelism] pipeline_parallel_pace_files")
     others = [c for c in search.best if c.counts != pipeline.counts][:3]
     if others:
         lines.append("Next best: " + "; ".join(f"{_points(c.counts, layers)} {_amount(c.makespan, unit)}"

@@ -33,9 +33,9 @@ from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs, schedule_traits
 from trainer.parallel.pipeline_calibration import fit_transfer
-from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PACE_RANGE, PartCosts,
-                                            calibrated_costs, fit_pace, flop_costs, pace_spread, part_flops,
-                                            read_cost_file)
+from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PACE_KINDS, PACE_RANGE,
+                                            PartCosts, calibrated_costs, fit_pace, flop_costs, pace_spread,
+                                            part_flops, read_cost_file)
 from trainer.parallel.schedule_sim import bubble_fraction, program_for, schedule_ops
 from trainer.parallel.technique import ChunkSetup, PlanFacts
 
@@ -453,19 +453,29 @@ def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
     mean pace), and the transfer fitted again so that the run's paced step lasts its measured span."""
     runs = [where, *others]
     for i, run in enumerate(runs):
+        key = COST_FILE_KEY if i == 0 else PACE_FILES_KEY
         if "rank_bubble" not in run or "rank_block_s" not in run:
-            key = COST_FILE_KEY if i == 0 else PACE_FILES_KEY
             if "method" in run:
                 raise ConfigError(f"{key}: costs measured on one device ({run['method']}) have no pipeline ranks to"
                                   " fit a pace with: name the pipeline_costs.json of a timed pipeline run")
             raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} recorded no per-rank"
                               " bubble and block times (a file written before they were recorded); time it again")
+        ranks, blocks = run["rank_bubble"], run["rank_block_s"]
+        if not (isinstance(ranks, list) and isinstance(blocks, dict) and all(
+                isinstance(b, (int, float)) for b in ranks) and all(
+                isinstance(blocks.get(k), list) and len(blocks[k]) == len(ranks) and all(
+                    t is None or isinstance(t, (int, float)) for t in blocks[k]) for k in PACE_KINDS)):
+            raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} has per-rank records this"
+                              " version cannot read (rank_bubble, rank_block_s); time it again")
     if (spread := pace_spread(runs)) < MIN_PACE_SPREAD:
         raise ConfigError(f"{PACE_FILES_KEY}: within each timed run the ranks waited alike (at most"
                           f" {100 * spread:.1f} points apart), too alike to fit how a rank's pace follows its wait"
                           f" (at least {100 * MIN_PACE_SPREAD:.0f} points apart in one run); time a split whose ranks"
                           " wait unequally")
     k = fit_pace(runs)
+    if k is None:
+        raise ConfigError(f"{PACE_FILES_KEY}: no timed run recorded block times on two pipeline ranks; time the runs"
+                          " again with blocks on every rank")
     if not PACE_RANGE[0] + 1e-3 < k < PACE_RANGE[1] - 1e-3:
         raise ConfigError(f"{PACE_FILES_KEY}: the timed runs' block times fit a pace of 1 + {k:.2f} x a rank's"
                           f" bubble, the end of the range searched ({PACE_RANGE[0]} to {PACE_RANGE[1]}): too noisy"
@@ -479,8 +489,10 @@ def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
     schedule, counts = where.get("schedule"), where.get("counts")
     if "span_s" in where and where.get("n_microbatches") and counts and not traits_of(schedule).from_file:
         program = program_for(schedule, where["pp"], where["n_microbatches"], len(counts) // where["pp"])
-        paced = replace(paced, send=fit_transfer(paced, program, tuple(counts), where["span_s"]))
-    return paced
+        return replace(paced, send=fit_transfer(paced, program, tuple(counts), where["span_s"]))
+    # a CSV schedule's actions are not kept with the file: its transfer stays as the run fitted it without a pace
+    return replace(paced, source=paced.source[:-1] + "; the transfer as fitted without the pace: the run's schedule"
+                   " came from a CSV file)")
 
 
 def activation_sections(config: JobConfig) -> dict:

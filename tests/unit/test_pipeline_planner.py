@@ -396,18 +396,18 @@ def test_a_paced_step_is_the_fixed_point_of_each_ranks_wait():
     """1F1B on 2 ranks, 2 microbatches, stage 0: F 1 B 2, stage 1: F 2 B 4, each times its rank's pace p0, p1.
     Worked by hand (while 2 p0 < 6 p1): rank 0 F0 F1 to 2 p0; rank 1 F0 from p0, B0 to p0 + 6 p1, F1, B1 to
     p0 + 12 p1; rank 0's B0 from there to 3 p0 + 6 p1, its B1 after rank 1's, to 3 p0 + 12 p1: the step. Busy
-    6 p0 and 12 p1. At pace 0 that is 15 s, busy 6 and 12; with k = 0.5 each p is 1 + k x its rank's bubble in
-    the step it makes, and rank 0, which waits more, runs slower."""
+    6 p0 and 12 p1. At pace 0 that is 15 s, busy 6 and 12; with k = 0.5 and 0.99 each p is 1 + k x its rank's
+    bubble in the step it makes, and rank 0, which waits more, runs slower."""
     program = program_for("1F1B", 2, 2, 1)
     plain = Simulator(pace_costs((1.0, 2.0), (2.0, 4.0), 0.0), program).predict((1, 1))
     assert (plain.makespan, plain.busy) == (15.0, (6.0, 12.0))
-    k = 0.5
-    paced = Simulator(pace_costs((1.0, 2.0), (2.0, 4.0), k), program).predict((1, 1))
-    p0, p1 = paced.busy[0] / 6, paced.busy[1] / 12
-    assert paced.makespan == pytest.approx(3 * p0 + 12 * p1, rel=1e-12) and 2 * p0 < 6 * p1
-    assert p0 == pytest.approx(1 + k * paced.bubble(0), rel=1e-8)
-    assert p1 == pytest.approx(1 + k * paced.bubble(1), rel=1e-8)
-    assert p0 > p1 > 1
+    for k in (0.5, 0.99):  # near 1, undamped rounds swing about the fixed point and settle slowly
+        paced = Simulator(pace_costs((1.0, 2.0), (2.0, 4.0), k), program).predict((1, 1))
+        p0, p1 = paced.busy[0] / 6, paced.busy[1] / 12
+        assert paced.makespan == pytest.approx(3 * p0 + 12 * p1, rel=1e-12) and 2 * p0 < 6 * p1
+        assert p0 == pytest.approx(1 + k * paced.bubble(0), rel=1e-8)
+        assert p1 == pytest.approx(1 + k * paced.bubble(1), rel=1e-8)
+        assert p0 > p1 > 1
 
 
 PACED_CASES = [("1F1B", 2, 1, 4), ("Interleaved1F1B", 2, 2, 4), ("ZBVZeroBubble", 2, 2, 4), ("DualPipeV", 2, 2, 4),
@@ -499,15 +499,15 @@ def test_pace_files_price_every_split_with_the_pace_the_timed_runs_fit(tmp_path)
     assert "a rank's actions cost 1 + 0.250 x its bubble, fitted over the ranks of 2 timed runs" in describe_plan(
         paced_plan)
     assert "Pace run" not in describe_plan(paced_plan)
-    # without a pace, the dry run names the split to time for one: the one whose ranks' predicted bubbles differ
-    # most (brute force here)
+    # without a pace, the dry run names the split to time for one: of the splits but the timed one, that whose
+    # ranks' predicted bubbles differ most (brute force here)
     sim = Simulator(plain, program)
-    apart = {c: abs(sim.predict(c).bubble(0) - sim.predict(c).bubble(1)) for c in splits_of(6, 4)}
+    apart = {c: abs(sim.predict(c).bubble(0) - sim.predict(c).bubble(1)) for c in splits_of(6, 4) if c != counts}
     lopsided = max(apart, key=apart.get)
     starts = [sum(lopsided[:i]) for i in (1, 2, 3)]
     bubbles = " / ".join(f"{100 * sim.predict(lopsided).bubble(r):.1f}%" for r in (0, 1))
     assert (f"Pace run: a timed run of [layers.{starts[0]}, layers.{starts[1]}, layers.{starts[2]}] (predicted bubble"
-            f" {bubbles}, the most unequal of 10 splits) would fit how a rank's pace follows its wait: name its"
+            f" {bubbles}, the most unequal of 9 other splits) would fit how a rank's pace follows its wait: name its"
             " pipeline_costs.json in [parallelism] pipeline_parallel_pace_files") in describe_plan(
         load_plan(PP2_ZBV + cost))
     # more splits than the cap: that many drawn (with a fixed seed), the most unequal of those
@@ -526,7 +526,7 @@ def test_pace_files_price_every_split_with_the_pace_the_timed_runs_fit(tmp_path)
                              "--parallelism.pipeline_parallel_pace_files", second([0.12, 0.20])]).pipeline_costs
     # block times that fall far faster than any pace could explain as the wait grows: the fit runs to its range's end
     with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_pace_files: the timed runs' block"
-                                          r" times fit a pace of 1 \+ -0.90 x a rank's bubble, the end of the range"):
+                                          r" times fit a pace of 1 \+ -0.50 x a rank's bubble, the end of the range"):
         load_plan(PP2_ZBV + cost + ["--parallelism.pipeline_parallel_pace_files", second(
             [0.02, 0.5], rank_block_s={"forward": [4e-3, 1e-4], "backward": [5e-3, 1e-4]})]).pipeline_costs
     untimed = second([0.02, 0.5])

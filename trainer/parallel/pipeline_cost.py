@@ -298,11 +298,12 @@ def read_cost_file(path: str, identity: dict, key: str = COST_FILE_KEY) -> dict:
 PACE_KINDS = ("forward", "backward")
 MIN_PACE_SPREAD = 0.10
 """The least difference between two ranks' bubbles within one timed run that fits a pace."""
-PACE_RANGE = (-0.9, 4.0)
-"""The paces ``fit_pace`` searches; one on either end is too noisy to plan with."""
+PACE_RANGE = (-0.5, 1.0)
+"""The paces ``fit_pace`` searches (timed runs on CPU gave 0.03 to 0.43); one on either end is too noisy to plan
+with."""
 
 
-def fit_pace(runs: list[dict]) -> float:
+def fit_pace(runs: list[dict]) -> float | None:
     """k of a block's pace = a x (1 + k x its rank's bubble), from timed runs' ``measured`` records: each pipeline
     rank's bubble (``rank_bubble``) and its mean seconds per block and microbatch, forward and backward
     (``rank_block_s``; a rank without that kind's blocks, None or NaN, is left out).
@@ -318,9 +319,10 @@ def fit_pace(runs: list[dict]) -> float:
             points = [(bubble, seconds) for bubble, seconds in zip(run["rank_bubble"], run["rank_block_s"][kind],
                                                                    strict=True)
                       if seconds is not None and not math.isnan(seconds)]
-            if len(points) >= 2:
-                mean = statistics.fmean(t for _, t in points)
+            if len(points) >= 2 and (mean := statistics.fmean(t for _, t in points)) > 0:
                 groups.append([(b, t / mean) for b, t in points])
+    if not groups:
+        return None
 
     def error(k: float) -> float:
         total = 0.0

@@ -11,9 +11,10 @@ Search: every split when there are at most ``budget`` of them (exact). Otherwise
 branch and bound over the cut positions, seeded with the stage-balanced split improved by moving
 one block at a time between any two stages: a rank's busy time never exceeds the makespan, so any
 partial split whose busiest rank already exceeds the best makespans kept is dropped unseen. That
-holds for the priced loads when a rank's pace follows its wait too (``PartCosts.pace`` = k > -1):
-its paced busy time is b = L (1 + k (1 - b / M)) for its priced load L and the step M, so
-b = L (1 + k) / (1 + k L / M), and M < L would make b > L > M (k < 0) or b >= L > M (k >= 0). If the
+holds for the priced loads when a rank's pace follows its wait too (``PartCosts.pace`` = k, within
+``PACE_RANGE``): at the fixed point a rank's paced busy time is b = L (1 + k (1 - b / M)) for its
+priced load L and the step M, with b <= M. For k >= 0 its pace is at least 1, so M >= b >= L. For
+k < 0, b = L (1 + k) / (1 + k L / M), and M < L would give 1 + k L / M < 1 + k, so b > L > M. If the
 budget runs out first, the result is still a valid split and the search states a lower bound on the
 optimum (the smallest bound of the parts it did not explore), so the gap is known.
 """
@@ -26,10 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainer.parallel.pipeline_cost import KINDS, PartCosts
-from trainer.parallel.schedule_sim import PACE_ROUNDS, Program, replay, replay_paced
+from trainer.parallel.schedule_sim import Program, replay, replay_paced
 
 # Action-replays per search (actions x candidates): about a second of Python at worst.
 REPLAY_BUDGET = 200_000
+# Replays of a paced prediction, a typical count (schedule_sim.replay_paced's rounds and the last one).
+PACED_REPLAYS = 12
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ class Simulator:
 
     @property
     def replays(self) -> int:
-        """Replays of the schedule per predicted split (more when a rank's pace follows its wait)."""
-        return 1 + PACE_ROUNDS * bool(self.costs.pace)
+        """Replays of the schedule per predicted split, about (a paced one's rounds: PACED_REPLAYS)."""
+        return PACED_REPLAYS if self.costs.pace else 1
 
     def predict(self, counts: tuple[int, ...], spans: list | None = None) -> Prediction:
         table, send, pace = self.costs.stage_table(counts), self.costs.send, self.costs.pace
@@ -149,18 +152,22 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     return _result(kept, total, state, exact=lower is None, lower=lower)
 
 
-def most_unequal_split(sim: Simulator, cap: int = 1000) -> tuple[Prediction, int]:
+def most_unequal_split(sim: Simulator, cap: int | None = None,
+                       skip: tuple[int, ...] | None = None) -> tuple[Prediction, int]:
     """(the split whose ranks' predicted bubbles differ most, how many splits were compared): every contiguous
-    split, or ``cap`` of them drawn with a fixed seed where there are more. A timed run of it fits the pace
-    (``pipeline_cost.fit_pace``) from ranks that wait as unequally as the model allows."""
+    split but ``skip``, or ``cap`` of them drawn with a fixed seed where there are more (default: as many as the
+    search's replay budget allows). A timed run of it fits the pace (``pipeline_cost.fit_pace``) from ranks that
+    wait as unequally as the model allows."""
     n, stages = sim.costs.num_blocks, sim.program.num_stages
+    if cap is None:
+        cap = max(16, REPLAY_BUDGET // max(len(sim.program.actions) * sim.replays, 1))
     rng = random.Random(0)
     cuts = (itertools.combinations(range(1, n), stages - 1) if math.comb(n - 1, stages - 1) <= cap else
             [tuple(sorted(rng.sample(range(1, n), stages - 1))) for _ in range(cap)])
     best, compared = None, set()
     for cut in cuts:
         counts = tuple(b - a for a, b in zip((0, *cut), (*cut, n)))
-        if counts in compared:
+        if counts in compared or counts == skip:
             continue
         compared.add(counts)
         pred = sim.predict(counts)
