@@ -34,7 +34,10 @@ ranks that hardly waited; a fourth: on ranks that hardly waited, as the other ra
 much (whether a rank's pace depends on the other's load; bench_core_sharing.py times the parts
 alone and beside a second process, without a pipeline); a fifth: the calibrated bubble's signed
 error by how much a rank was predicted to wait (the bias under the noise; bench_pipeline_paces.py
-replays a kept launch's splits with pace models that would price it). With --json, each split's
+replays a kept launch's splits with pace models that would price it); a sixth: calibrated from two timed
+runs, the planner's split and a pace run (of the other measured splits, the one the one-run calibration
+predicts to wait most unequally, fitted from its own steps), with ``pipeline_parallel_pace_files``: the
+pace fitted and the bubble's error over every other split, beside the one run's. With --json, each split's
 row also holds its measured steps, each rank's busy time per step, measured and as the calibrated
 costs predict it, and its time per block.
 
