@@ -33,8 +33,8 @@ from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs, schedule_traits
 from trainer.parallel.pipeline_calibration import fit_transfer
-from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PACE_KINDS, PACE_RANGE,
-                                            PartCosts, calibrated_costs, fit_pace, flop_costs, pace_spread,
+from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PACE_RANGE, PartCosts,
+                                            calibrated_costs, fit_pace, flop_costs, pace_spread,
                                             part_flops, read_cost_file)
 from trainer.parallel.schedule_sim import bubble_fraction, program_for, schedule_ops
 from trainer.parallel.technique import ChunkSetup, PlanFacts
@@ -460,13 +460,12 @@ def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
                                   " fit a pace with: name the pipeline_costs.json of a timed pipeline run")
             raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} recorded no per-rank"
                               " bubble and block times (a file written before they were recorded); time it again")
-        ranks, blocks = run["rank_bubble"], run["rank_block_s"]
-        if not (isinstance(ranks, list) and isinstance(blocks, dict) and all(
-                isinstance(b, (int, float)) for b in ranks) and all(
-                isinstance(blocks.get(k), list) and len(blocks[k]) == len(ranks) and all(
-                    t is None or isinstance(t, (int, float)) for t in blocks[k]) for k in PACE_KINDS)):
-            raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} has per-rank records this"
-                              " version cannot read (rank_bubble, rank_block_s); time it again")
+        try:
+            pace_spread([run]), fit_pace([run])
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} has per-rank records"
+                              f" (rank_bubble, rank_block_s) this version cannot read ({type(e).__name__}: {e});"
+                              " time it again") from None
     if (spread := pace_spread(runs)) < MIN_PACE_SPREAD:
         raise ConfigError(f"{PACE_FILES_KEY}: within each timed run the ranks waited alike (at most"
                           f" {100 * spread:.1f} points apart), too alike to fit how a rank's pace follows its wait"

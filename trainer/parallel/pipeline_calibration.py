@@ -34,7 +34,7 @@ class Calibration:
         self.steps: list[int] = []
         self.spans: list[float] = []
         self.bubbles: list[dict[int, float]] = []
-        self.owner = Simulator(units, program).owner
+        self.owner = program.owner()
 
     def add(self, step: int, actions: list[tuple[str, int, float]], measured_bubble: dict[int, float],
             span: float, parts: list[tuple[str, int, str, float]] = ()) -> str:
