@@ -460,18 +460,18 @@ def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
                                   " fit a pace with: name the pipeline_costs.json of a timed pipeline run")
             raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} recorded no per-rank"
                               " bubble and block times (a file written before they were recorded); time it again")
-        try:
-            pace_spread([run]), fit_pace([run])
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} has per-rank records"
-                              f" (rank_bubble, rank_block_s) this version cannot read ({type(e).__name__}: {e});"
-                              " time it again") from None
-    if (spread := pace_spread(runs)) < MIN_PACE_SPREAD:
+    splits = "; ".join(str(r.get("split_points")) for r in runs)
+    try:
+        spread = pace_spread(runs)
+        k = fit_pace(runs) if spread >= MIN_PACE_SPREAD else None
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{PACE_FILES_KEY}: the per-rank records (rank_bubble, rank_block_s) of the timed runs on"
+                          f" splits {splits} cannot be read ({type(e).__name__}: {e}); time them again") from None
+    if spread < MIN_PACE_SPREAD:
         raise ConfigError(f"{PACE_FILES_KEY}: within each timed run the ranks waited alike (at most"
                           f" {100 * spread:.1f} points apart), too alike to fit how a rank's pace follows its wait"
                           f" (at least {100 * MIN_PACE_SPREAD:.0f} points apart in one run); time a split whose ranks"
                           " wait unequally")
-    k = fit_pace(runs)
     if k is None:
         raise ConfigError(f"{PACE_FILES_KEY}: no timed run recorded block times on two pipeline ranks; time the runs"
                           " again with blocks on every rank")
@@ -483,8 +483,7 @@ def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
     paced = replace(costs, parts={kind: tuple(v * scale for v in values) for kind, values in costs.parts.items()},
                     overhead={kind: v * scale for kind, v in costs.overhead.items()}, pace=k,
                     source=costs.source[:-1] + f"; a rank's actions cost 1 + {k:.3f} x its bubble, fitted over the"
-                    f" ranks of {len(runs)} timed runs, splits " + "; ".join(str(r.get("split_points")) for r in runs)
-                    + ")")
+                    f" ranks of {len(runs)} timed runs, splits {splits})")
     schedule, counts = where.get("schedule"), where.get("counts")
     if "span_s" in where and where.get("n_microbatches") and counts and not traits_of(schedule).from_file:
         program = program_for(schedule, where["pp"], where["n_microbatches"], len(counts) // where["pp"])
