@@ -13,6 +13,13 @@ W) on the device, one process, and writes a cost file. Reported:
   model's split by both cost tables (points apart: the FLOP model's error where only compute matters).
 Transfers between ranks and the per-action cost of the schedule are not in a one-device measurement; both
 plans price transfers with the same link settings. Figures: docs/performance.md.
+
+``--memory-gbps N`` (or ``copy``: the bandwidth of one large tensor copy on the device, read and write
+counted) adds a third figure to each part: the FLOP model with the loss's and the embedding gradient's bytes
+priced at that bandwidth (``pipeline_parallel_device_memory_gbytes_per_second``), beside a throughput
+taken from the measured mean block's forward (its FLOPs over its time), so that it reads in blocks too.
+A one-device measurement clears the gradients after every microbatch: its embedding gradient is written
+once, where the model counts the four passes of a gradient accumulated over a step's microbatches.
 """
 
 import argparse
@@ -39,19 +46,45 @@ MODELS = {
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
 
 
-def part_table(name: str, parts: dict, units) -> list[str]:
-    """Measured ms per part and kind, and each part in blocks (the mean block's forward), measured / FLOP model."""
+def part_table(name: str, parts: dict, units, moved: dict | None = None, bytes_per_second: float = 0.0) -> list[str]:
+    """Measured ms per part and kind, and each part in blocks (the mean block's forward), measured / FLOP model
+    (/ FLOP model with ``moved`` bytes (``pipeline_cost.memory_bytes``) at ``bytes_per_second``)."""
     block_f = statistics.fmean(parts["F"][1:-1])
     unit_f = statistics.fmean(units.parts["F"][1:-1])
+    extra: dict[tuple[str, int], float] = {}  # (kind, part index) -> blocks the bytes add
+    for key, n in (moved or {}).items() if bytes_per_second else ():
+        where, kind = key.split()
+        for k in (kind, "B") if kind in "IW" else (kind,):  # a full backward B is I + W
+            index = 0 if where == "pre" else -1
+            extra[(k, index)] = extra.get((k, index), 0.0) + n / bytes_per_second / block_f
     rows = []
     for kind in ("F", "B", "I", "W"):
         v, u = parts[kind], units.parts[kind]
         cells = []
-        for label, m, f in (("embedding", v[0], u[0]), ("block", statistics.fmean(v[1:-1]),
-                                                         statistics.fmean(u[1:-1])), ("output+loss", v[-1], u[-1])):
-            cells.append(f"{1e3 * m:.3f} ms ({m / block_f:.2f} / {f / unit_f:.2f})")
+        for i, m, f in ((0, v[0], u[0]), (None, statistics.fmean(v[1:-1]), statistics.fmean(u[1:-1])),
+                        (-1, v[-1], u[-1])):
+            model = f" / {f / unit_f + extra.get((kind, i), 0.0):.2f}" if bytes_per_second else ""
+            cells.append(f"{1e3 * m:.3f} ms ({m / block_f:.2f} / {f / unit_f:.2f}{model})")
         rows.append(f"| {name} | {kind} | " + " | ".join(cells) + " |")
     return rows
+
+
+def copy_bytes_per_second(device: str) -> float:
+    """One 256 MB float32 copy on ``device``: bytes read and written over its median time of 5."""
+    import torch
+
+    src = torch.ones(1 << 26, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
 
 
 def plan_rows(name: str, base: list[str], cost_file: Path, pps: list[int]) -> list[dict]:
@@ -95,14 +128,18 @@ def main() -> None:
     parser.add_argument("--steps", type=at_least(1), default=20)
     parser.add_argument("--pp", default="2")
     parser.add_argument("--out", default="/tmp/bench_pipeline_costs")
+    parser.add_argument("--memory-gbps", default="", help="GB/s, or 'copy' (measured); adds the memory model")
     args = parser.parse_args()
     import torch
 
     from trainer.config import load_config
     from trainer.measure_costs import measure
+    from trainer.parallel.pipeline_cost import memory_bytes
     from trainer.plan import build_job_plan, pipeline_costs
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    bytes_per_second = (copy_bytes_per_second(device) if args.memory_gbps == "copy"
+                        else float(args.memory_gbps or 0) * 1e9)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts_rows, whole_rows, plans, report = [], [], [], {"device": device, "torch": torch.__version__, "models": {}}
@@ -117,9 +154,12 @@ def main() -> None:
         print("\n".join(lines), flush=True)
         data = json.loads(path.read_text())
         plan = build_job_plan(config, 1, check_memory=False)
-        units = pipeline_costs(config, plan.spec, plan.model_args, plan.build_model(), plan.dims, device,
-                               relative=True)
-        parts_rows += part_table(name, data["measured"]["parts_s"], units)
+        whole = plan.build_model()
+        units = pipeline_costs(config, plan.spec, plan.model_args, whole, plan.dims, device, relative=True)
+        moved = memory_bytes(whole, plan.spec.layout(plan.model_args), dtype_bytes=plan.compute_dtype(
+            torch.device(device)).itemsize, tokens=config.training.seq_len
+            * config.parallelism.pipeline_parallel_microbatch_size, tp=1, loss_sharded=False)
+        parts_rows += part_table(name, data["measured"]["parts_s"], units, moved, bytes_per_second)
         f_b = sum(data["measured"]["parts_s"]["F"]) + sum(data["measured"]["parts_s"]["B"])
         whole_rows.append(f"| {name} | {1e3 * f_b:.3f} | {1e3 * data['measured']['whole_s']:.3f}"
                           f" | {f_b / data['measured']['whole_s']:.3f} |")
@@ -131,8 +171,11 @@ def main() -> None:
         if device.startswith("cuda"):
             gc.collect()
             torch.cuda.empty_cache()
+    memory = (f" / with the loss's and the embedding gradient's bytes at {bytes_per_second / 1e9:.1f} GB/s"
+              f"{' (a copy measured)' if args.memory_gbps == 'copy' else ''}" if bytes_per_second else "")
+    report["memory_bytes_per_second"] = bytes_per_second
     print(f"\n{report.get('device_name', device)}, torch {torch.__version__}; part costs, ms (in blocks: measured /"
-          " FLOP model)")
+          f" FLOP model{memory})")
     print("| model | kind | embedding | block (mean) | output + loss |\n|---|---|---:|---:|---:|")
     print("\n".join(parts_rows))
     print("\nThe parts' F + B against a forward and backward timed whole (no part marked), ms per microbatch:\n")

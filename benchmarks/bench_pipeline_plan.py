@@ -279,6 +279,19 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     esim = refit("ends_only", lambda stage, part: (stage, part) in ((0, "lead"), (last, "tail")))
     osim = Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file", str(one_device)]).pipeline_costs,
                      program)
+    # The FLOP model with the loss's and the embedding gradient's bytes priced (pipeline_parallel_device_memory_
+    # gbytes_per_second), at this machine's rates: the FLOPs of a block's forward over its one-device time, and the
+    # bandwidth of a large copy (--memory-gbps)
+    # (beside the same model in seconds without the bytes: transfers are priced by the link settings in both)
+    bandwidth = getattr(args, "memory_bytes_per_second", 0.0)
+    at_one = load(base + ["--parallelism.pipeline_parallel_device_tflops", "1"]).pipeline_costs  # seconds = TFLOPs
+    timed_f = json.loads(one_device.read_text())["measured"]["parts_s"]["F"][1:-1]
+    tflops = statistics.fmean(at_one.parts["F"][1:-1]) / statistics.fmean(timed_f)
+    # (float32, as the trainers compute on CPU: the plan is otherwise made for accelerators, in bf16)
+    at_rate = base + ["--parallelism.pipeline_parallel_device_tflops", repr(tflops),
+                      "--training.mixed_precision_param", "float32"]
+    ssim, msim = (Simulator(load(at_rate + more).pipeline_costs, program) for more in (
+        [], ["--parallelism.pipeline_parallel_device_memory_gbytes_per_second", repr(bandwidth / 1e9)]))
     # A second timed run for the pace: the measured split whose ranks the calibrated costs predict to wait most
     # unequally (what the docs advise a user to time), its costs fitted as its own calibration would write them;
     # the planner's costs then priced with the pace both runs fit (that split then left out of the figures).
@@ -305,6 +318,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      "measured": measured_bubbles([dumps[i]], timed[i]),
                      "halves_apart": halves_apart(dumps[i], timed[i]),
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
+                     "before_seconds": predicted_bubbles(ssim, counts),
+                     "before_memory": predicted_bubbles(msim, counts) if bandwidth else None,
                      "after_whole_stages": predicted_bubbles(wsim, counts),
                      "after_ends_only": predicted_bubbles(esim, counts),
                      "one_device": predicted_bubbles(osim, counts), "one_device_s": osim.predict(counts).makespan,
@@ -344,7 +359,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     ratio_err = [abs(r["predicted_s"] / rows[0]["predicted_s"] - r["paired"]) * 100 for r in rows[1:]]
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows if r[k] is not None for i in range(2)]
-           for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device", "after_two_runs")}
+           for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device", "after_two_runs",
+                     "before_seconds", "before_memory")}
     # the one-run calibration over the rows the two-run one is judged on (all but the pace run's split)
     err["after_same_rows"] = [abs(r["after"][i] - r["measured"][i]) * 100 for r in rows
                               if r["after_two_runs"] is not None for i in range(2)]
@@ -374,6 +390,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                                               max(err["after_whole_stages"])),
             "bubble_err_after_ends_only": (statistics.mean(err["after_ends_only"]), max(err["after_ends_only"])),
             "bubble_err_one_device": (statistics.mean(err["one_device"]), max(err["one_device"])),
+            **{f"bubble_err_{k}": ((statistics.mean(err[k]), max(err[k])) if err[k] else (float("nan"),) * 2)
+               for k in ("before_seconds", "before_memory")},
+            "memory_rates": (tflops, bandwidth / 1e9),
             **{f"bubble_err_{k}": ((statistics.mean(err[k]), max(err[k])) if err[k] else (float("nan"),) * 2)
                for k in ("after_two_runs", "after_same_rows")},
             "pace_run": points(runs[lopsided]) if lopsided is not None else None,
@@ -460,12 +479,30 @@ def main() -> None:
                         help="rounds: in each, every split's trainer takes one step, in a seeded shuffled order,"
                              " the planner's split a step after each; a split's figures are medians over its rounds")
     parser.add_argument("--json", type=Path, help="also write every row here")
+    parser.add_argument("--memory-gbps", default="copy",
+                        help="GB/s for the memory model's column, or 'copy': one large copy's, measured (one thread)")
     parser.add_argument("--reuse", action="store_true",
                         help="with --keep: report from the steps a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     args = parser.parse_args()
     if args.reuse and not args.keep:
         parser.error("--reuse reports from the steps kept by an earlier --keep run: name that folder with --keep")
+    kept_rate = args.keep / "memory_bytes_per_second.json" if args.keep else None
+    if args.memory_gbps != "copy":
+        args.memory_bytes_per_second = float(args.memory_gbps) * 1e9
+    elif args.reuse and kept_rate and kept_rate.exists():  # the rate measured with the launch
+        args.memory_bytes_per_second = json.loads(kept_rate.read_text())
+    else:  # one thread, as each trainer runs
+        import torch
+        from bench_pipeline_costs import copy_bytes_per_second  # beside this script
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        args.memory_bytes_per_second = copy_bytes_per_second("cpu")
+        torch.set_num_threads(threads)
+        if kept_rate:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            kept_rate.write_text(json.dumps(args.memory_bytes_per_second))
     results = []
     print("| model | schedule | splits (measured) | planner's split: step | same split: first / last round"
           " | best measured split: step | planner/best | best paired: step over the planner's on either side"
@@ -522,6 +559,20 @@ def main() -> None:
                                                                          "bubble_err_one_device"))
         print(f"| {r['model']} | {r['schedule']} | {errors}"
               f" | {r['one_device_pick']}: {r['one_device_pick_paired']:.3f} |")
+    if args.memory_bytes_per_second:
+        print("\nThe FLOP model with the loss's and the embedding gradient's bytes priced"
+              " (--parallelism.pipeline_parallel_device_memory_gbytes_per_second) at this machine's rates: a block's"
+              " forward FLOPs over its one-device time, and the bandwidth of a large copy (--memory-gbps"
+              f"{', measured once, kept with the launch' if args.memory_gbps == 'copy' else ''}); the predicted"
+              " bubble's error (points, mean / worst) beside the FLOP model's in relative units and in seconds at"
+              " the same throughput without the bytes (its transfers priced by the link settings, as with them):\n")
+        print("| model | schedule | TFLOP/s | GB/s | FLOP model | in seconds | with the bytes |")
+        print("|---|---|---:|---:|---|---|---|")
+        for r in results:
+            print(f"| {r['model']} | {r['schedule']} | {r['memory_rates'][0]:.3f} | {r['memory_rates'][1]:.1f}"
+                  + "".join(f" | {r[k][0]:.1f} / {r[k][1]:.1f}"
+                            for k in ("bubble_err_before", "bubble_err_before_seconds", "bubble_err_before_memory"))
+                  + " |")
     print("\nCalibrated from two timed runs: the planner's split and a pace run, the measured split whose ranks the"
           " one-run calibration predicts to wait most unequally (--parallelism.pipeline_parallel_pace_files): the"
           " pace k fitted (a rank's actions cost 1 + k x its bubble) and the bubble's error (points, mean / worst)"

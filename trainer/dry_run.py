@@ -183,8 +183,11 @@ def predicted_step(plan: JobPlan) -> list[str]:
             for r in range(pipeline.pp)]
     lines += _table(["pp rank", "stages", "compute", "idle", "bubble"], rows)
     if costs.source.startswith("FLOP model"):
-        lines.append("(the FLOP model prices every kernel at one throughput and the embedding's gradient at nothing;"
-                     " measured costs: python -m trainer.measure_costs on one device, or a timed pipeline run,"
+        memory = ("the loss and the embedding's gradient by their bytes at the memory bandwidth" if "memory at"
+                  in costs.source else "the loss and the embedding's gradient at nothing (with a throughput, set"
+                  " pipeline_parallel_device_memory_gbytes_per_second to price their bytes)")
+        lines.append(f"(the FLOP model prices every matmul at one throughput and {memory}; measured costs:"
+                     " python -m trainer.measure_costs on one device, or a timed pipeline run,"
                      " then --parallelism.pipeline_parallel_cost_file)")
     lines.append(f"step (makespan): {_amount(chosen.makespan, unit)}{'' if unit == 's' else ' units'}")
     search = pipeline.search or search_splits(sim)

@@ -34,7 +34,7 @@ from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs, schedule_traits
 from trainer.parallel.pipeline_calibration import fit_transfer
 from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PACE_RANGE, PartCosts,
-                                            calibrated_costs, fit_pace, flop_costs, pace_spread,
+                                            calibrated_costs, fit_pace, flop_costs, memory_bytes, pace_spread,
                                             part_flops, read_cost_file)
 from trainer.parallel.schedule_sim import bubble_fraction, program_for, schedule_ops
 from trainer.parallel.technique import ChunkSetup, PlanFacts
@@ -430,8 +430,11 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
     if relative:
         return units
     if not p.pipeline_parallel_cost_file:
+        memory = memory_bytes(whole, layout, tokens=tokens, tp=dims.tp, dtype_bytes=dtype.itemsize,
+                              loss_sharded=dims.tp > 1 and not p.disable_loss_parallel)
         return flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute,
-                          flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, **link)
+                          flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, memory=memory,
+                          memory_bytes_per_second=p.pipeline_parallel_device_memory_gbytes_per_second * 1e9, **link)
     identity = cost_identity(config, n_blocks, dims.tp, dims.cp)
     measured = read_cost_file(p.pipeline_parallel_cost_file, identity)
     where = measured["measured"]

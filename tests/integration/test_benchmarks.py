@@ -106,7 +106,8 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
     monkeypatch.setitem(bench.MODELS, "tiny", ["--model.overrides.n_layers", "5", "--training.seq_len", "64",
                                                "--training.local_batch_size", "4"])
     warmup = 1
-    args = argparse.Namespace(warmup=warmup, repeats=1, max_splits=20, reuse=False)
+    args = argparse.Namespace(warmup=warmup, repeats=1, max_splits=20, reuse=False, memory_gbps="5",
+                              memory_bytes_per_second=5e9)
     # one step per split is too few to fit a pace reliably (the fit can end at its range's edge and be refused):
     # the plan's fit is replaced by one that keeps what it was given and returns 0.2, so the benchmark's wiring is
     # checked here (the fit itself in test_pipeline_planner)
@@ -179,6 +180,45 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
     # (each load of the plan fits it: the split search and the plan's costs)
     assert fitted and all(runs == [planner_run["measured"], recorded] for runs in fitted) and report["pace"] == 0.2
     assert any(r["after_two_runs"] != pytest.approx(r["after"], abs=1e-6) for r in rows if r is not pace_row)
+    # the memory model's column: the FLOP model at the block's one-device FLOP rate with the bytes at 5 GB/s
+    from trainer.parallel.pipeline_planner import Simulator
+    from trainer.parallel.schedule_sim import program_for
+
+    job = report["job"] + ["--parallelism.pipeline_parallel_device_tflops", "1"]
+    flops = statistics.fmean(load_plan(job).pipeline_costs.parts["F"][1:-1])
+    timed = json.loads((tmp_path / "tiny_ZBVZeroBubble_one_device.json").read_text())["measured"]["parts_s"]["F"]
+    tflops = flops / statistics.fmean(timed[1:-1])
+    assert report["memory_rates"] == pytest.approx((tflops, 5.0))
+    at = report["job"] + ["--parallelism.pipeline_parallel_device_tflops", repr(tflops),
+                          "--training.mixed_precision_param", "float32"]
+    program = program_for("ZBVZeroBubble", 2, load_plan(at).n_microbatches, 2)
+    sims = [Simulator(load_plan(at + more).pipeline_costs, program) for more in
+            (["--parallelism.pipeline_parallel_device_memory_gbytes_per_second", "5"], [])]
+    moved = False
+    for r in rows:
+        with_bytes, without = ([sim.predict(tuple(r["counts"])).bubble(k) for k in range(2)] for sim in sims)
+        assert r["before_memory"] == pytest.approx(with_bytes) and r["before_seconds"] == pytest.approx(without)
+        moved = moved or with_bytes != pytest.approx(without, abs=1e-6)
+    assert moved  # the bytes move the prediction
+
+
+def test_the_part_table_adds_each_parts_bytes_once(monkeypatch):
+    """bench_pipeline_costs' part table with the memory model: a block's forward takes 1 s (the unit); at 2 bytes/s
+    the embedding's 2 bytes add 1 block to its W and so to its B, the loss's 4 forward bytes 2 blocks to the output's
+    F, its 6 input-gradient bytes 3 blocks to the output's I and B (B = I + W: the forward's bytes are not in it)."""
+    costs = load_script(REPO / "benchmarks" / "bench_pipeline_costs.py", monkeypatch)
+    seconds = {"F": [0.1, 1.0, 1.0, 2.0], "B": [0.2, 2.0, 2.0, 4.0], "I": [0.0, 1.5, 1.5, 3.0],
+               "W": [0.2, 0.5, 0.5, 1.0]}
+    units = argparse.Namespace(parts={"F": [0, 1, 1, 3], "B": [0, 2, 2, 6], "I": [0, 1, 1, 3], "W": [0, 1, 1, 3]})
+    rows = costs.part_table("m", seconds, units, {"pre W": 2.0, "post F": 4.0, "post I": 6.0}, 2.0)
+    assert [r.split(" | ", 2)[2] for r in rows] == [  # after "| m | kind"
+        "100.000 ms (0.10 / 0.00 / 0.00) | 1000.000 ms (1.00 / 1.00 / 1.00) | 2000.000 ms (2.00 / 3.00 / 5.00) |",
+        "200.000 ms (0.20 / 0.00 / 1.00) | 2000.000 ms (2.00 / 2.00 / 2.00) | 4000.000 ms (4.00 / 6.00 / 9.00) |",
+        "0.000 ms (0.00 / 0.00 / 0.00) | 1500.000 ms (1.50 / 1.00 / 1.00) | 3000.000 ms (3.00 / 3.00 / 6.00) |",
+        "200.000 ms (0.20 / 0.00 / 1.00) | 500.000 ms (0.50 / 1.00 / 1.00) | 1000.000 ms (1.00 / 3.00 / 3.00) |"]
+    assert [r.split(" | ", 2)[1] for r in rows] == ["F", "B", "I", "W"]
+    assert costs.part_table("m", seconds, units)[0] == (
+        "| m | F | 100.000 ms (0.10 / 0.00) | 1000.000 ms (1.00 / 1.00) | 2000.000 ms (2.00 / 3.00) |")
 
 
 def test_the_pace_models_replay_and_fit_what_they_say(monkeypatch):

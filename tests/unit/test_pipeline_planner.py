@@ -174,6 +174,77 @@ def test_flop_model_prices_attention_and_checkpointing():
     assert ac.send == 0.0 and ac.unit == "units"
 
 
+def test_memory_traffic_prices_the_loss_and_the_embeddings_gradient_by_their_bytes():
+    """A 10-word vocabulary, width 4, 3 tokens: 30 logits. bf16 (2 bytes): the loss's forward 30 x (cast 2 + 4,
+    log-softmax 12) = 540 bytes, its input gradient 30 x (16 + cast back 4 + 2) = 660. The embeddings' float32
+    gradients, 4 passes of 4 bytes: (40 word + 12 position weights) x 16 = 832. fp32: no casts. tp 2 with the
+    loss on shards halves the logits and the vocabulary-sized embedding only: (20 + 12) x 16 = 512."""
+    from torch import nn
+
+    from trainer.models.registry import ModelLayout
+    from trainer.parallel.pipeline_cost import memory_bytes
+
+    model = nn.Module()
+    model.tok_embeddings, model.pos = nn.Embedding(10, 4), nn.Embedding(3, 4)
+    model.output = nn.Linear(4, 10, bias=False)
+    layout = ModelLayout(pre=("tok_embeddings", "pos"), post=("output",), dim=4, vocab_size=10)
+    bf16 = memory_bytes(model, layout, tokens=3, tp=1, loss_sharded=False, dtype_bytes=2)
+    assert bf16 == {"pre W": 832.0, "post F": 540.0, "post I": 660.0}
+    assert memory_bytes(model, layout, tokens=3, tp=1, loss_sharded=False, dtype_bytes=4) == {
+        "pre W": 832.0, "post F": 360.0, "post I": 480.0}
+    assert memory_bytes(model, layout, tokens=3, tp=2, loss_sharded=True, dtype_bytes=2) == {
+        "pre W": 512.0, "post F": 270.0, "post I": 330.0}
+    assert memory_bytes(model, layout, tokens=3, tp=2, loss_sharded=False, dtype_bytes=2)["post F"] == 540.0
+    # priced at 10 bytes/s beside 1 FLOP/s: added to the embedding's W and the output's F and I (B = I + W)
+    flops = [(0.0, 0.0), (10.0, 4.0), (6.0, 0.0)]
+    link = dict(send_bytes=8, link_bytes_per_second=2, link_latency=1)
+    plain = flop_costs(flops, tokens=3, tp=1, recompute=[False], flops_per_second=1.0, **link)
+    priced = flop_costs(flops, tokens=3, tp=1, recompute=[False], flops_per_second=1.0, memory=bf16,
+                        memory_bytes_per_second=10.0, **link)
+    assert priced.parts["W"] == pytest.approx((83.2, 30.0, 18.0))
+    assert priced.parts["F"] == pytest.approx((0.0, 42.0, 72.0))
+    assert priced.parts["I"] == pytest.approx((0.0, 54.0, 84.0))
+    assert priced.parts["B"] == pytest.approx((83.2, 84.0, 102.0))
+    assert plain.parts["F"] == (0.0, 42.0, 18.0) and "memory at 1e-08 GB/s" in priced.source
+    # relative units (no throughput): FLOPs only
+    assert flop_costs(flops, tokens=3, tp=1, recompute=[False], flops_per_second=None, memory=bf16,
+                      memory_bytes_per_second=10.0, **link).parts["F"] == pytest.approx((0.0, 1.0, 18 / 42))
+
+
+def test_a_job_with_a_memory_bandwidth_prices_its_loss_and_embedding_gradient():
+    """The debug model at pp 2 (2048 words, width 256): the plan's costs with a bandwidth are the FLOPs-only ones
+    plus the bytes over the bandwidth, and the dry run says which. The plan is for the job's accelerators: bf16
+    compute casts the logits (18 and 22 bytes each); float32 does not (12 and 16). Tensor parallelism keeps the
+    logits on vocabulary shards unless the loss gathers them; context parallelism halves a rank's tokens."""
+    base = PP2_ZBV + ["--parallelism.pipeline_parallel_device_tflops", "0.1"]
+    bandwidth = base + ["--parallelism.pipeline_parallel_device_memory_gbytes_per_second", "2"]
+    plain = load_plan(base).pipeline_costs
+    plan = load_plan(bandwidth)
+    costs, config = plan.pipeline_costs, plan.config
+    logits = config.training.seq_len * config.parallelism.pipeline_parallel_microbatch_size * 2048
+    last = len(costs.parts["F"]) - 1
+    added = {("W", 0): 4 * 2048 * 256 * 4, ("F", last): logits * 18, ("I", last): logits * 22}
+    added[("B", 0)], added[("B", last)] = added[("W", 0)], added[("I", last)]
+    for kind in KINDS:
+        for part, seconds in enumerate(costs.parts[kind]):
+            assert seconds == pytest.approx(plain.parts[kind][part] + added.get((kind, part), 0) / 2e9), (kind, part)
+    fp32, fp32_plain = (load_plan(job + ["--training.mixed_precision_param", "float32"]).pipeline_costs
+                        for job in (bandwidth, base))
+    assert fp32.parts["F"][-1] - fp32_plain.parts["F"][-1] == pytest.approx(logits * 12 / 2e9)
+    assert fp32.parts["I"][-1] - fp32_plain.parts["I"][-1] == pytest.approx(logits * 16 / 2e9)
+    assert fp32.parts["W"][0] - fp32_plain.parts["W"][0] == pytest.approx(added[("W", 0)] / 2e9)
+    tp = bandwidth + ["--parallelism.tensor_parallel_degree", "2"]
+    sharded, gathered = (load_plan(tp + more).pipeline_costs for more in ([], ["--parallelism.disable_loss_parallel"]))
+    assert gathered.parts["F"][-1] - sharded.parts["F"][-1] == pytest.approx(logits * 18 / 2 / 2e9)
+    assert gathered.parts["W"][0] == sharded.parts["W"][0] == pytest.approx(added[("W", 0)] / 2 / 2e9)
+    cp_job = ["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "causal"]
+    cp, cp_plain = (load_plan(job + cp_job).pipeline_costs for job in (bandwidth, base))
+    assert cp.parts["F"][-1] - cp_plain.parts["F"][-1] == pytest.approx(logits * 18 / 2 / 2e9)
+    text = describe_plan(plan)
+    assert "memory at 2 GB/s" in text and "the loss and the embedding's gradient by their bytes" in text
+    assert "set pipeline_parallel_device_memory_gbytes_per_second" in describe_plan(load_plan(base))
+
+
 @pytest.mark.parametrize("counts", [(1, 2, 2, 1), (2, 1, 1, 2)])
 def test_calibration_recovers_the_costs_that_made_the_measurements(counts):
     """Durations made from known seconds per kind (overhead + per unit x block units + pre + post; the first

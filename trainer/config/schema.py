@@ -231,6 +231,9 @@ class Parallelism:
     pipeline_parallel_device_tflops: Annotated[float, NonNegative] = 0.0
     """Achieved TFLOP/s of one device, to predict the pipeline step in seconds and weigh transfers; 0 = relative units,
     transfers not modelled."""
+    pipeline_parallel_device_memory_gbytes_per_second: Annotated[float, NonNegative] = 0.0
+    """Achieved memory bandwidth of one device in GB/s (with pipeline_parallel_device_tflops): the planner also prices
+    the loss's passes over the logits and the embedding's dense gradient by their bytes; 0 = FLOPs only."""
     pipeline_parallel_link_gbytes_per_second: Annotated[float, Positive] = 25.0
     """Bandwidth between two pipeline ranks in GB/s, for the planner's transfer times."""
     pipeline_parallel_link_latency_us: Annotated[float, NonNegative] = 20.0

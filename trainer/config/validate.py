@@ -111,6 +111,9 @@ def _check_parallelism(config: JobConfig) -> None:
     if p.pipeline_parallel_pace_files and not p.pipeline_parallel_cost_file:
         raise ConfigError("[parallelism] pipeline_parallel_pace_files: set pipeline_parallel_cost_file too (the timed"
                           " run whose costs the plan uses; the pace files only add how a rank's pace follows its wait)")
+    if p.pipeline_parallel_device_memory_gbytes_per_second and not p.pipeline_parallel_device_tflops:
+        raise ConfigError("[parallelism] pipeline_parallel_device_memory_gbytes_per_second: set"
+                          " pipeline_parallel_device_tflops too (bytes are priced in seconds, beside the FLOPs)")
     if p.pipeline_parallel_degree == 1:
         ignored = [k for k, v in (("pipeline_parallel_split_points", p.pipeline_parallel_split_points),
                                   ("pipeline_parallel_schedule_csv", p.pipeline_parallel_schedule_csv),

@@ -16,6 +16,21 @@ Without a throughput the unit is relative (1 = the mean block's forward of one m
 communication is not modelled; with ``pipeline_parallel_device_tflops`` it is seconds, and a
 transfer costs latency + bytes / bandwidth (the activation of one microbatch).
 
+What the FLOPs leave out, priced in seconds when ``pipeline_parallel_device_memory_gbytes_per_second``
+is also given (``memory_bytes``): the bytes of the two parts whose work is passes over memory, not
+matmuls. With E logits of one microbatch (tokens x vocabulary, over tp when the loss runs on
+vocabulary shards) and c bytes per element of the compute dtype:
+- the loss's forward: a cast of the logits to fp32 (read c, write 4; none when c is 4), then the
+  log-softmax reads them twice and writes once: E x (12 + c + 4);
+- the loss's input gradient: the loss's gradient written (4), the log-softmax's backward reads two
+  tensors and writes one (12), the cast back (read 4, write c): E x (16 + 4 + c);
+- the embedding's weight gradient: a dense gradient of every row written, then read with the
+  gradient accumulated over the step's microbatches and the sum written: 4 x its weights x 4 (float32
+  gradients: autocast keeps the parameters in float32, FSDP accumulates in its reduce dtype). An upper
+  bound: a step's first microbatch writes its gradient once, and FSDP's bf16 parameters get a bf16
+  fresh gradient (12 bytes per weight, not 16). Under tensor parallelism a vocabulary-sized
+  embedding is split over the tp ranks.
+
 From a measured run (``fit_costs``, written by the pipeline timeline to ``pipeline_costs.json``,
 read back with ``pipeline_parallel_cost_file``): seconds per action kind fitted to the measured
 per-stage mean durations as overhead + seconds per block unit x block units + pre + post, with the
@@ -110,12 +125,28 @@ def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[t
     return [(matmuls(present(layout.pre)), 0.0), *blocks, (matmuls(present(layout.post)), 0.0)]
 
 
+def memory_bytes(model: nn.Module, layout: ModelLayout, *, tokens: float, tp: int, loss_sharded: bool,
+                 dtype_bytes: int) -> dict[str, float]:
+    """Bytes one microbatch moves through memory in the work the FLOP model does not count (module docstring):
+    {"pre W": the embedding's weight gradient, "post F": the loss's forward, "post I": the loss's input
+    gradient}. ``loss_sharded``: the logits stay split over the tp ranks' vocabulary shards."""
+    # the weights of each embedding on one rank: tensor parallelism splits the vocabulary-sized ones
+    embedding = sum(sub.weight.numel() / (tp if sub.num_embeddings == layout.vocab_size else 1)
+                    for n in layout.pre if (m := getattr(model, n, None)) is not None
+                    for sub in m.modules() if isinstance(sub, nn.Embedding))
+    logits = tokens * (layout.vocab_size or 0) / (tp if loss_sharded else 1)
+    cast = 4 + dtype_bytes if dtype_bytes != 4 else 0  # to fp32 and back: each reads one and writes the other
+    return {"pre W": 4.0 * embedding * 4, "post F": logits * (12 + cast), "post I": logits * (16 + cast)}
+
+
 def flop_costs(flops: list[tuple[float, float]], *, tokens: float, tp: int, recompute: list[bool],
                flops_per_second: float | None, send_bytes: float, link_bytes_per_second: float,
-               link_latency: float) -> PartCosts:
+               link_latency: float, memory: dict[str, float] | None = None,
+               memory_bytes_per_second: float | None = None) -> PartCosts:
     """PartCosts of the FLOP model. ``flops``: ``part_flops``; ``tokens``: tokens of one microbatch on one
     rank; ``recompute[i]``: block i is activation-checkpointed; ``flops_per_second``: achieved device
-    throughput (None: relative units, no communication)."""
+    throughput (None: relative units, no communication); ``memory`` (``memory_bytes``) at
+    ``memory_bytes_per_second``: added in seconds (with ``flops_per_second`` only)."""
     fwd, inp, wgt = [], [], []
     for i, (mm, attn) in enumerate(flops):
         block = 0 < i < len(flops) - 1
@@ -130,8 +161,13 @@ def flop_costs(flops: list[tuple[float, float]], *, tokens: float, tp: int, reco
         blocks = fwd[1:-1]
         scale, unit, send = 1.0 / (sum(blocks) / len(blocks)), "units", 0.0
         source = "FLOP model"
-    parts = {"F": tuple(x * scale for x in fwd), "I": tuple(x * scale for x in inp),
-             "W": tuple(x * scale for x in wgt)}
+    parts = {"F": [x * scale for x in fwd], "I": [x * scale for x in inp], "W": [x * scale for x in wgt]}
+    if flops_per_second and memory and memory_bytes_per_second:
+        for key, moved in memory.items():
+            part, kind = key.split()
+            parts[kind][0 if part == "pre" else -1] += moved / memory_bytes_per_second
+        source += f", memory at {memory_bytes_per_second / 1e9:g} GB/s"
+    parts = {k: tuple(v) for k, v in parts.items()}
     parts["B"] = tuple(i + w for i, w in zip(parts["I"], parts["W"], strict=True))
     return PartCosts(parts, dict.fromkeys(KINDS, 0.0), send, unit, source)
 
