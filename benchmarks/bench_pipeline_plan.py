@@ -290,8 +290,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     # (float32, as the trainers compute on CPU: the plan is otherwise made for accelerators, in bf16)
     at_rate = base + ["--parallelism.pipeline_parallel_device_tflops", repr(tflops),
                       "--training.mixed_precision_param", "float32"]
-    ssim, msim = (Simulator(load(at_rate + more).pipeline_costs, program) for more in (
-        [], ["--parallelism.pipeline_parallel_device_memory_gbytes_per_second", repr(bandwidth / 1e9)]))
+    ssim = Simulator(load(at_rate).pipeline_costs, program)
+    msim = Simulator(load(at_rate + ["--parallelism.pipeline_parallel_device_memory_gbytes_per_second",
+                                     repr(bandwidth / 1e9)]).pipeline_costs, program) if bandwidth else None
     # A second timed run for the pace: the measured split whose ranks the calibrated costs predict to wait most
     # unequally (what the docs advise a user to time), its costs fitted as its own calibration would write them;
     # the planner's costs then priced with the pace both runs fit (that split then left out of the figures).
@@ -319,7 +320,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      "halves_apart": halves_apart(dumps[i], timed[i]),
                      "before": predicted_bubbles(sim, counts), "after": predicted_bubbles(csim, counts),
                      "before_seconds": predicted_bubbles(ssim, counts),
-                     "before_memory": predicted_bubbles(msim, counts) if bandwidth else None,
+                     "before_memory": predicted_bubbles(msim, counts) if msim else None,
                      "after_whole_stages": predicted_bubbles(wsim, counts),
                      "after_ends_only": predicted_bubbles(esim, counts),
                      "one_device": predicted_bubbles(osim, counts), "one_device_s": osim.predict(counts).makespan,
@@ -390,11 +391,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                                               max(err["after_whole_stages"])),
             "bubble_err_after_ends_only": (statistics.mean(err["after_ends_only"]), max(err["after_ends_only"])),
             "bubble_err_one_device": (statistics.mean(err["one_device"]), max(err["one_device"])),
-            **{f"bubble_err_{k}": ((statistics.mean(err[k]), max(err[k])) if err[k] else (float("nan"),) * 2)
-               for k in ("before_seconds", "before_memory")},
             "memory_rates": (tflops, bandwidth / 1e9),
             **{f"bubble_err_{k}": ((statistics.mean(err[k]), max(err[k])) if err[k] else (float("nan"),) * 2)
-               for k in ("after_two_runs", "after_same_rows")},
+               for k in ("after_two_runs", "after_same_rows", "before_seconds", "before_memory")},
             "pace_run": points(runs[lopsided]) if lopsided is not None else None,
             "pace": psim.costs.pace if psim else None,
             "one_device_pick": points(one_device_pick["counts"]), "one_device_pick_paired": one_device_pick["paired"],

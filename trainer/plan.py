@@ -431,7 +431,8 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
         return units
     if not p.pipeline_parallel_cost_file:
         memory = memory_bytes(whole, layout, tokens=tokens, tp=dims.tp, dtype_bytes=dtype.itemsize,
-                              loss_sharded=dims.tp > 1 and not p.disable_loss_parallel)
+                              loss_sharded=dims.tp > 1 and not p.disable_loss_parallel) if (
+            p.pipeline_parallel_device_memory_gbytes_per_second) else None
         return flop_costs(flops, tokens=tokens, tp=dims.tp, recompute=recompute,
                           flops_per_second=p.pipeline_parallel_device_tflops * 1e12 or None, memory=memory,
                           memory_bytes_per_second=p.pipeline_parallel_device_memory_gbytes_per_second * 1e9, **link)

@@ -106,8 +106,7 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
     monkeypatch.setitem(bench.MODELS, "tiny", ["--model.overrides.n_layers", "5", "--training.seq_len", "64",
                                                "--training.local_batch_size", "4"])
     warmup = 1
-    args = argparse.Namespace(warmup=warmup, repeats=1, max_splits=20, reuse=False, memory_gbps="5",
-                              memory_bytes_per_second=5e9)
+    args = argparse.Namespace(warmup=warmup, repeats=1, max_splits=20, reuse=False, memory_bytes_per_second=5e9)
     # one step per split is too few to fit a pace reliably (the fit can end at its range's edge and be refused):
     # the plan's fit is replaced by one that keeps what it was given and returns 0.2, so the benchmark's wiring is
     # checked here (the fit itself in test_pipeline_planner)
