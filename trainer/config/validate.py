@@ -6,11 +6,11 @@ schedule constraints) happen while the job plan is built (``trainer.plan.build_j
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
 
 from trainer.config.schedules import CSV_KEY, SCHEDULES
-from trainer.config.schema import CHECKPOINT_PARTS, MAX_COUNT, JobConfig, LRScheduler, Training
+from trainer.config.schema import CHECKPOINT_PARTS, MAX_COUNT, JobConfig, LRScheduler, Parallelism, Training
 from trainer.errors import ConfigError, not_found
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,16 @@ def _check_lr_schedule(config: JobConfig) -> None:
             " over %d", lr.decay_ratio, steps, wanted, steps - warmup_steps(lr, steps), decay_steps(lr, steps))
 
 
+def _default(f: Field):
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+# Every pipeline key a one-stage job does not read; the microbatch size stays out (measure_costs times one device
+# at that size).
+_PIPELINE_ONLY = [f for f in fields(Parallelism) if f.name.startswith("pipeline_parallel_")
+                  and f.name not in ("pipeline_parallel_degree", "pipeline_parallel_microbatch_size")]
+
+
 def _check_parallelism(config: JobConfig) -> None:
     p, t = config.parallelism, config.training
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
@@ -115,10 +125,7 @@ def _check_parallelism(config: JobConfig) -> None:
         raise ConfigError("[parallelism] pipeline_parallel_device_memory_gbytes_per_second: set"
                           " pipeline_parallel_device_tflops too (bytes are priced in seconds, beside the FLOPs)")
     if p.pipeline_parallel_degree == 1:
-        ignored = [k for k, v in (("pipeline_parallel_split_points", p.pipeline_parallel_split_points),
-                                  ("pipeline_parallel_schedule_csv", p.pipeline_parallel_schedule_csv),
-                                  ("pipeline_parallel_cost_file", p.pipeline_parallel_cost_file),
-                                  ("pipeline_parallel_pace_files", p.pipeline_parallel_pace_files)) if v]
+        ignored = [f.name for f in _PIPELINE_ONLY if getattr(p, f.name) != _default(f)]
         if ignored:
             logger.warning("[parallelism] %s set but pipeline_parallel_degree=1: ignored", ", ".join(ignored))
     if p.tensor_parallel_overrides and p.tensor_parallel_plan != "auto":
