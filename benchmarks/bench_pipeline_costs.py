@@ -142,7 +142,8 @@ def main() -> None:
                         else float(args.memory_gbps or 0) * 1e9)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    parts_rows, whole_rows, plans, report = [], [], [], {"device": device, "torch": torch.__version__, "models": {}}
+    parts_rows, whole_rows, plans = [], [], []
+    report = {"device": device, "torch": torch.__version__, "memory_bytes_per_second": bytes_per_second, "models": {}}
     if device.startswith("cuda"):
         report["device_name"] = torch.cuda.get_device_name(device)
     for name in args.models.split(","):
@@ -173,7 +174,6 @@ def main() -> None:
             torch.cuda.empty_cache()
     memory = (f" / with the loss's and the embedding gradient's bytes at {bytes_per_second / 1e9:.1f} GB/s"
               f"{' (a copy measured)' if args.memory_gbps == 'copy' else ''}" if bytes_per_second else "")
-    report["memory_bytes_per_second"] = bytes_per_second
     print(f"\n{report.get('device_name', device)}, torch {torch.__version__}; part costs, ms (in blocks: measured /"
           f" FLOP model{memory})")
     print("| model | kind | embedding | block (mean) | output + loss |\n|---|---|---:|---:|---:|")
