@@ -189,6 +189,12 @@ def predicted_step(plan: JobPlan) -> list[str]:
         lines.append(f"(the FLOP model prices every matmul at one throughput and {memory}; measured costs:"
                      " python -m trainer.measure_costs on one device, or a timed pipeline run,"
                      " then --parallelism.pipeline_parallel_cost_file)")
+    else:
+        unused = [k for k, v in (("pipeline_parallel_device_tflops", p.pipeline_parallel_device_tflops),
+                                 ("pipeline_parallel_device_memory_gbytes_per_second",
+                                  p.pipeline_parallel_device_memory_gbytes_per_second)) if v]
+        if unused:
+            lines.append(f"({' and '.join(unused)} set but unused: the measured costs are already seconds)")
     lines.append(f"step (makespan): {_amount(chosen.makespan, unit)}{'' if unit == 's' else ' units'}")
     search = pipeline.search or search_splits(sim)
     how = (f"exact: all {search.total} contiguous splits simulated" if search.exact else

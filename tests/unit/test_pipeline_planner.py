@@ -394,6 +394,14 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     for k, row in seconds.items():
         assert table[KINDS.index(k)] == pytest.approx(row, rel=0.01), k
     assert "Measured run's split" in describe_plan(measured)
+    assert "set but unused" not in describe_plan(measured)
+    rates = ["--parallelism.pipeline_parallel_device_tflops", "5",
+             "--parallelism.pipeline_parallel_device_memory_gbytes_per_second", "100"]
+    with_rates = load_plan(PP2_ZBV + rates + ["--parallelism.pipeline_parallel_cost_file",
+                                              str(tmp_path / "pipeline_costs.json")])
+    assert with_rates.pipeline_costs.stage_table(plan.pipeline.counts) == table  # the rates change nothing
+    assert ("(pipeline_parallel_device_tflops and pipeline_parallel_device_memory_gbytes_per_second set but unused:"
+            " the measured costs are already seconds)") in describe_plan(with_rates)
 
 
 def test_the_transfer_time_is_fitted_to_the_measured_span():
