@@ -428,26 +428,3 @@ def test_every_field_has_a_default_and_doc():
         for name, spec in fields.items():
             assert spec.doc, ".".join(path + (name,))
 
-
-def test_a_one_stage_job_names_every_pipeline_key_it_ignores(caplog, tmp_path):
-    # Each pipeline_parallel_ key set away from its default on a job without pipeline stages is named once; the
-    # microbatch size is not (measure_costs times one device at it), and nothing is named when nothing is set.
-    changed = {"split_points": "layers.2", "split_mode": "flops", "cost_file": "c.json", "pace_files": "p.json",
-               "device_tflops": "5", "device_memory_gbytes_per_second": "100", "link_gbytes_per_second": "7",
-               "link_latency_us": "3", "memory_limit_gib": "9", "embedding_weight": "2", "output_weight": "3",
-               "schedule": "Interleaved1F1B", "schedule_csv": str(tmp_path / "s.csv"), "layers_per_stage": "2",
-               "frontend": "tracer"}
-    read_at_one_stage = ("pipeline_parallel_degree", "pipeline_parallel_microbatch_size")
-    assert sorted(changed) == sorted(f.name.removeprefix("pipeline_parallel_") for f in
-                                     dataclasses.fields(JobConfig().parallelism)
-                                     if f.name.startswith("pipeline_parallel_") and f.name not in read_at_one_stage)
-    (tmp_path / "s.csv").write_text("0F0,0B0\n")  # read at any degree, so well formed
-    with caplog.at_level("WARNING", logger="trainer.config.validate"):
-        load_config(overrides=["--parallelism.pipeline_parallel_microbatch_size", "2"])
-    assert "ignored" not in caplog.text
-    with caplog.at_level("WARNING", logger="trainer.config.validate"):
-        load_config(overrides=[a for key, value in changed.items() for a in (f"--parallelism.pipeline_parallel_{key}",
-                                                                             value)])
-    (line,) = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
-    named = line.removeprefix("[parallelism] ").removesuffix(" set but pipeline_parallel_degree=1: ignored")
-    assert sorted(named.split(", ")) == sorted(f"pipeline_parallel_{key}" for key in changed)

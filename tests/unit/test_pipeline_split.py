@@ -522,3 +522,28 @@ def test_pipeline_keys_at_pp_1_are_reported_as_unused(caplog):
     with caplog.at_level(logging.WARNING):
         load_plan([])
     assert "pipeline_parallel_degree = 1" not in caplog.text
+
+
+def test_every_pipeline_key_at_pp_1_is_named_once_in_one_warning(caplog, tmp_path):
+    """Every pipeline_parallel_ key of the schema set away from its default at pipeline_parallel_degree 1: one
+    warning line names each, and no other line names any (the config check and the plan check once both
+    warned about some)."""
+    import dataclasses
+    import logging
+
+    from trainer.config import JobConfig
+
+    (tmp_path / "s.csv").write_text("0F0,0B0\n")  # a schedule CSV is read at any degree, so well formed
+    changed = {"split_points": "layers.2", "split_mode": "flops", "cost_file": "c.json", "pace_files": "p.json",
+               "device_tflops": "5", "device_memory_gbytes_per_second": "100", "link_gbytes_per_second": "7",
+               "link_latency_us": "3", "memory_limit_gib": "9", "embedding_weight": "2", "output_weight": "3",
+               "schedule": "Interleaved1F1B", "schedule_csv": str(tmp_path / "s.csv"), "microbatch_size": "2",
+               "layers_per_stage": "2", "frontend": "tracer"}
+    keys = [f.name for f in dataclasses.fields(JobConfig().parallelism) if f.name.startswith("pipeline_parallel_")]
+    assert sorted(changed) == sorted(k.removeprefix("pipeline_parallel_") for k in keys if not k.endswith("_degree"))
+    with caplog.at_level(logging.WARNING):
+        load_plan([a for key, value in changed.items() for a in (f"--parallelism.pipeline_parallel_{key}", value)])
+    lines = [r.getMessage() for r in caplog.records if "pipeline_parallel_s" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("[parallelism] pipeline_parallel_degree = 1: "), lines
+    named = re.findall(r"pipeline_parallel_(\w+) = ", lines[0].split(": ", 1)[1])
+    assert sorted(named) == sorted(changed)

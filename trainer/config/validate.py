@@ -6,11 +6,11 @@ schedule constraints) happen while the job plan is built (``trainer.plan.build_j
 
 import logging
 import re
-from dataclasses import MISSING, Field, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config.schedules import CSV_KEY, SCHEDULES
-from trainer.config.schema import CHECKPOINT_PARTS, MAX_COUNT, JobConfig, LRScheduler, Parallelism, Training
+from trainer.config.schema import CHECKPOINT_PARTS, MAX_COUNT, JobConfig, LRScheduler, Training
 from trainer.errors import ConfigError, not_found
 
 logger = logging.getLogger(__name__)
@@ -86,16 +86,6 @@ def _check_lr_schedule(config: JobConfig) -> None:
             " over %d", lr.decay_ratio, steps, wanted, steps - warmup_steps(lr, steps), decay_steps(lr, steps))
 
 
-def _default(f: Field):
-    return f.default_factory() if f.default is MISSING else f.default
-
-
-# Every pipeline key a one-stage job does not read; the microbatch size stays out (measure_costs times one device
-# at that size).
-_PIPELINE_ONLY = [f for f in fields(Parallelism) if f.name.startswith("pipeline_parallel_")
-                  and f.name not in ("pipeline_parallel_degree", "pipeline_parallel_microbatch_size")]
-
-
 def _check_parallelism(config: JobConfig) -> None:
     p, t = config.parallelism, config.training
     cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
@@ -124,10 +114,7 @@ def _check_parallelism(config: JobConfig) -> None:
     if p.pipeline_parallel_device_memory_gbytes_per_second and not p.pipeline_parallel_device_tflops:
         raise ConfigError("[parallelism] pipeline_parallel_device_memory_gbytes_per_second: set"
                           " pipeline_parallel_device_tflops too (bytes are priced in seconds, beside the FLOPs)")
-    if p.pipeline_parallel_degree == 1:
-        ignored = [f.name for f in _PIPELINE_ONLY if getattr(p, f.name) != _default(f)]
-        if ignored:
-            logger.warning("[parallelism] %s set but pipeline_parallel_degree=1: ignored", ", ".join(ignored))
+    # pipeline keys at pipeline_parallel_degree 1: PipelineParallel.check names every one in a single warning
     if p.tensor_parallel_overrides and p.tensor_parallel_plan != "auto":
         raise ConfigError("[parallelism.tensor_parallel_overrides] apply to tensor_parallel_plan = \"auto\" only")
     if p.pipeline_parallel_degree > 1 and t.local_batch_size % p.pipeline_parallel_microbatch_size:
