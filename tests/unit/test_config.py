@@ -427,4 +427,3 @@ def test_every_field_has_a_default_and_doc():
     for path, fields in walk_sections(JobConfig):
         for name, spec in fields.items():
             assert spec.doc, ".".join(path + (name,))
-
