@@ -14,6 +14,9 @@ from trainer.parallel.schedule_sim import program_for, timeline
 from trainer.plan import JobPlan
 
 DEVICE = "cuda"  # the dry run plans for the job's accelerators: mixed_precision_param "auto" means bf16
+LAUNCH_BOUND_BLOCK_S = 2e-4
+"""A block's forward priced by the FLOP model below this is likely bound by launching its kernels: eager blocks of
+the small models timed on an H100 and an H200 took 0.6-1.1 ms whatever their FLOPs (docs/pipeline.md)."""
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -189,6 +192,12 @@ def predicted_step(plan: JobPlan) -> list[str]:
         lines.append(f"(the FLOP model prices every matmul at one throughput and {memory}; measured costs:"
                      " python -m trainer.measure_costs on one device, or a timed pipeline run,"
                      " then --parallelism.pipeline_parallel_cost_file)")
+        blocks = costs.parts["F"][1:-1]
+        if blocks and (block := sum(blocks) / len(blocks)) < LAUNCH_BOUND_BLOCK_S:
+            lines.append(f"(a block's forward is priced at {block * 1e6:,.1f} us at this throughput: under"
+                         f" {LAUNCH_BOUND_BLOCK_S * 1e3:g} ms a block's kernels take longer to launch, one at a time,"
+                         " than to run, which FLOPs do not count, so these times and this split can be far off;"
+                         " time the parts with python -m trainer.measure_costs)")
     else:
         unused = [k for k, v in (("pipeline_parallel_device_tflops", p.pipeline_parallel_device_tflops),
                                  ("pipeline_parallel_device_memory_gbytes_per_second",
