@@ -34,8 +34,9 @@ split those costs choose. A third table: a block's measured time on ranks that w
 ranks that hardly waited; a fourth: on ranks that hardly waited, as the other rank waited little or
 much (whether a rank's pace depends on the other's load; bench_core_sharing.py times the parts
 alone and beside a second process, without a pipeline); a fifth: the calibrated bubble's signed
-error by how much a rank was predicted to wait (the bias under the noise; bench_pipeline_paces.py
-replays a kept launch's splits with pace models that would price it); a sixth: calibrated from two timed
+error by how much a rank was predicted to wait, calibrated from one timed run and from two (the bias
+under the noise, and what the pace leaves of it; bench_pipeline_paces.py replays a kept launch's splits
+with pace models that would price it); a sixth: calibrated from two timed
 runs, the planner's split and a pace run (of the other measured splits, the one the one-run calibration
 predicts to wait most unequally, fitted from its own steps), with ``pipeline_parallel_pace_files``: the
 pace fitted and the bubble's error over every other split, beside the one run's. With --json, each split's
@@ -402,7 +403,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "one_device_pick": points(one_device_pick["counts"]), "one_device_pick_paired": one_device_pick["paired"],
             "slower_when_waiting": slower_when_waiting(rows),
             "faster_beside_waiting": faster_beside_a_waiting_rank(rows),
-            "bias_by_wait": bias_by_wait(rows),
+            "bias_by_wait": bias_by_wait(rows), "bias_by_wait_two_runs": bias_by_wait(rows, "after_two_runs"),
             "self_paired": (min(self_paired), max(self_paired)) if self_paired else (1.0, 1.0),
             "self_paired_medians": (min(self_medians), max(self_medians)) if self_medians else (1.0, 1.0),
             "planner_spread": (min(own) / statistics.median(own), max(own) / statistics.median(own), len(own)),
@@ -429,14 +430,15 @@ def per_block(dump: Path, steps: list[int]) -> dict[str, list[float]]:
 WAIT_BANDS = ((0.0, 0.15), (0.15, 0.30), (0.30, 1.0))
 
 
-def bias_by_wait(rows: list[dict]) -> list[tuple[float, int]]:
+def bias_by_wait(rows: list[dict], key: str = "after") -> list[tuple[float, int]]:
     """The calibrated prediction's signed bubble error (measured minus predicted, points) by how much a rank
     was predicted to wait (WAIT_BANDS of the predicted bubble), over every split and rank of a group: (mean,
-    how many rank-splits) per band. Noise averages out here; what stays is bias the costs do not model."""
+    how many rank-splits) per band. Noise averages out here; what stays is bias the costs do not model.
+    ``key``: "after" (one timed run) or "after_two_runs" (with the pace; the pace run's split has none)."""
     out = []
     for low, high in WAIT_BANDS:
-        errors = [100 * (r["measured"][i] - r["after"][i]) for r in rows for i in range(2)
-                  if low <= r["after"][i] < high]
+        errors = [100 * (r["measured"][i] - r[key][i]) for r in rows if r[key] is not None for i in range(2)
+                  if low <= r[key][i] < high]
         out.append((statistics.mean(errors) if errors else float("nan"), len(errors)))
     return out
 
@@ -599,12 +601,15 @@ def main() -> None:
     for r in results:
         print(f"| {r['model']} | {r['schedule']} | " + " | ".join(pace_cells(r["faster_beside_waiting"])) + " |")
     print("\nThe calibrated bubble's signed error (measured minus predicted, points: mean over the rank-splits, how"
-          " many) by how much the calibrated costs predict a rank to wait:\n")
+          " many) by how much the calibrated costs predict a rank to wait, calibrated from one timed run and from"
+          " two (with the pace; the pace run's split left out):\n")
     print("| model | schedule | " + " | ".join(f"predicted {100 * lo:.0f}-{100 * hi:.0f}%" for lo, hi in WAIT_BANDS)
-          + " |\n|---|---|" + "---:|" * len(WAIT_BANDS))
+          + " | " + " | ".join(f"two runs: {100 * lo:.0f}-{100 * hi:.0f}%" for lo, hi in WAIT_BANDS)
+          + " |\n|---|---|" + "---:|" * 2 * len(WAIT_BANDS))
     for r in results:
         print(f"| {r['model']} | {r['schedule']} | "
-              + " | ".join(f"{mean:+.1f} ({n})" if n else "none" for mean, n in r["bias_by_wait"]) + " |")
+              + " | ".join(f"{mean:+.1f} ({n})" if n else "none"
+                           for mean, n in r["bias_by_wait"] + r["bias_by_wait_two_runs"]) + " |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=list))
 

@@ -92,6 +92,20 @@ def test_a_benchmark_scripts_counts_are_range_checked(script, monkeypatch, capsy
 
 
 @pytest.mark.slow
+def test_the_planner_benchmark_bands_each_calibrations_error_by_its_own_prediction(monkeypatch):
+    """The signed-error table: each rank-split counted in the band of the prediction it is judged against (one run or
+    two), measured minus predicted in points; a split without a two-run prediction (the pace run's) left out."""
+    bench = load_script(REPO / "benchmarks" / "bench_pipeline_plan.py", monkeypatch)
+    assert bench.WAIT_BANDS == ((0.0, 0.15), (0.15, 0.30), (0.30, 1.0))
+    rows = [{"measured": [0.25, 0.40], "after": [0.10, 0.35], "after_two_runs": [0.20, 0.36]},
+            {"measured": [0.05, 0.50], "after": [0.00, 0.50], "after_two_runs": None}]
+    one = bench.bias_by_wait(rows)  # +15 and +5 under 15%; +5 and 0 over 30%
+    assert [n for _, n in one] == [2, 0, 2] and one[0][0] == pytest.approx(10) and one[2][0] == pytest.approx(2.5)
+    assert one[1][0] != one[1][0]  # no rank-split: NaN, printed "none"
+    two = bench.bias_by_wait(rows, "after_two_runs")  # +5 in 15-30%, +4 over 30%
+    assert [n for _, n in two] == [0, 1, 1] and two[1][0] == pytest.approx(5) and two[2][0] == pytest.approx(4)
+
+
 def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypatch):
     """bench_pipeline_plan's one launch, on a 5-block model with ZBVZeroBubble (4 splits), one round: every
     split's trainer takes the steps the benchmark's order gives it, numbered as its own (its timeline records
@@ -179,6 +193,14 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
     # (each load of the plan fits it: the split search and the plan's costs)
     assert fitted and all(runs == [planner_run["measured"], recorded] for runs in fitted) and report["pace"] == 0.2
     assert any(r["after_two_runs"] != pytest.approx(r["after"], abs=1e-6) for r in rows if r is not pace_row)
+    # the signed error by predicted wait, of each calibration's own predictions (two runs: the pace run's split
+    # has none)
+    for key, table in (("after", report["bias_by_wait"]), ("after_two_runs", report["bias_by_wait_two_runs"])):
+        for (low, high), (mean, n) in zip(bench.WAIT_BANDS, table, strict=True):
+            errors = [100 * (r["measured"][k] - r[key][k]) for r in rows if r[key] is not None for k in range(2)
+                      if low <= r[key][k] < high]
+            assert n == len(errors), (key, low)
+            assert mean == pytest.approx(statistics.mean(errors)) if errors else mean != mean, (key, low)
     # the memory model's column: the FLOP model at the block's one-device FLOP rate with the bytes at 5 GB/s
     from trainer.parallel.pipeline_planner import Simulator
     from trainer.parallel.schedule_sim import program_for
