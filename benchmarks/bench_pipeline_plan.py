@@ -430,17 +430,52 @@ def per_block(dump: Path, steps: list[int]) -> dict[str, list[float]]:
 WAIT_BANDS = ((0.0, 0.15), (0.15, 0.30), (0.30, 1.0))
 
 
+def errors_by_wait(rows: list[dict], key: str = "after") -> list[list[float]]:
+    """A prediction's signed bubble errors (measured minus predicted, points) of every split and rank of a group, in
+    the WAIT_BANDS of the predicted bubble. ``key``: "before" (the FLOP model), "one_device", "after" (one timed
+    run) or "after_two_runs" (with the pace; the pace run's split has none)."""
+    return [[100 * (r["measured"][i] - r[key][i]) for r in rows if r[key] is not None for i in range(2)
+             if low <= r[key][i] < high] for low, high in WAIT_BANDS]
+
+
 def bias_by_wait(rows: list[dict], key: str = "after") -> list[tuple[float, int]]:
-    """The calibrated prediction's signed bubble error (measured minus predicted, points) by how much a rank
-    was predicted to wait (WAIT_BANDS of the predicted bubble), over every split and rank of a group: (mean,
-    how many rank-splits) per band. Noise averages out here; what stays is bias the costs do not model.
-    ``key``: "after" (one timed run) or "after_two_runs" (with the pace; the pace run's split has none)."""
-    out = []
-    for low, high in WAIT_BANDS:
-        errors = [100 * (r["measured"][i] - r[key][i]) for r in rows if r[key] is not None for i in range(2)
-                  if low <= r[key][i] < high]
-        out.append((statistics.mean(errors) if errors else float("nan"), len(errors)))
-    return out
+    """The calibrated prediction's signed bubble error by how much a rank was predicted to wait, over every
+    split and rank of a group (``errors_by_wait``): (mean, how many rank-splits) per band. Noise averages out
+    here; what stays is bias the costs do not model."""
+    return [(statistics.mean(errors) if errors else float("nan"), len(errors)) for errors in errors_by_wait(rows, key)]
+
+
+POOLED = {"before": "before calibration (the FLOP model)", "one_device": "parts timed on one device",
+          "after": "calibrated, one run", "after_two_runs": "calibrated, two runs (the pace)"}
+
+
+def pool(reports: list[Path]) -> None:
+    """Tables over the groups of earlier --json reports, per model: the signed error by predicted wait, pooled
+    over every rank-split (and in how many groups the band's mean was negative), and the two-run calibration's
+    worst error against each group's own reproducibility (a split's odd against its even rounds)."""
+    groups = [g for path in reports for g in json.loads(path.read_text())]
+    print(f"Pooled over {len(groups)} groups of {len(reports)} reports. Signed bubble error (measured minus predicted,"
+          " points) by how much a rank is predicted to wait, each prediction banded by itself: mean (rank-splits),"
+          " groups whose band's mean is negative:\n")
+    print("| model | prediction | " + " | ".join(f"predicted {100 * lo:.0f}-{100 * hi:.0f}%" for lo, hi in WAIT_BANDS)
+          + " |\n|---|---|" + "---|" * len(WAIT_BANDS))
+    for model in dict.fromkeys(g["model"] for g in groups):
+        for key, name in POOLED.items():
+            per_group = [errors_by_wait(g["rows"], key) for g in groups if g["model"] == model]
+            cells = []
+            for band in range(len(WAIT_BANDS)):
+                errors = [e for bands in per_group for e in bands[band]]
+                means = [statistics.mean(bands[band]) for bands in per_group if bands[band]]
+                cells.append(f"{statistics.mean(errors):+.2f} ({len(errors)}), {sum(m < 0 for m in means)} of"
+                             f" {len(means)}" if errors else "none")
+            print(f"| {model} | {name} | " + " | ".join(cells) + " |")
+    met = [g for g in groups if g["bubble_err_after_two_runs"][1] <= 5]
+    beyond = [g for g in groups if g["bubble_err_after_two_runs"][1] > max(5, g["bubble_halves_apart"][1])]
+    print(f"\nCalibrated from two runs, the worst error within 5 points in {len(met)} of {len(groups)} groups; of the"
+          f" {len(groups) - len(met)} over 5, {len(groups) - len(met) - len(beyond)} no further off than a split's odd"
+          f" and even rounds were from each other (worst over the group's splits), {len(beyond)} further"
+          + (": " + "; ".join(f"{g['model']} {g['schedule']} {g['bubble_err_after_two_runs'][1]:.1f} against"
+                               f" {g['bubble_halves_apart'][1]:.1f}" for g in beyond) if beyond else "") + ".")
 
 
 def block_paces(rows: list[dict], first, second) -> dict[str, tuple[float, float, int, int]]:
@@ -488,7 +523,12 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true",
                         help="with --keep: report from the steps a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                        help="run nothing: tables pooled over the groups of earlier --json reports")
     args = parser.parse_args()
+    if args.pool:
+        pool(args.pool)
+        return
     if args.reuse and not args.keep:
         parser.error("--reuse reports from the steps kept by an earlier --keep run: name that folder with --keep")
     kept_rate = args.keep / "memory_bytes_per_second.json" if args.keep else None

@@ -106,6 +106,35 @@ def test_the_planner_benchmark_bands_each_calibrations_error_by_its_own_predicti
     assert [n for _, n in two] == [0, 1, 1] and two[1][0] == pytest.approx(5) and two[2][0] == pytest.approx(4)
 
 
+def test_the_planner_benchmark_pools_earlier_reports(tmp_path, monkeypatch, capsys):
+    """--pool: the signed errors of every rank-split of every group, per model and prediction, each banded by its
+    own prediction; and the two-run worst errors against each group's odd/even spread."""
+    import json
+
+    bench = load_script(REPO / "benchmarks" / "bench_pipeline_plan.py", monkeypatch)
+
+    def group(schedule, measured, predicted, worst, apart):
+        rows = [{"measured": m, **{k: p for k in bench.POOLED}} for m, p in zip(measured, predicted)]
+        return {"model": "tiny", "schedule": schedule, "rows": rows, "bubble_err_after_two_runs": (1.0, worst),
+                "bubble_halves_apart": (1.0, apart)}
+
+    # group A: +10 under 15%, -10 over 30%; group B: +2 and -5 under 15%, +4 and -5 over 30%; group C: 0 and 0 in
+    # 15-30%
+    (tmp_path / "a.json").write_text(json.dumps([group("A", [[0.15, 0.30]], [[0.05, 0.40]], 4.0, 9.0)]))
+    (tmp_path / "b.json").write_text(json.dumps([group("B", [[0.12, 0.44], [0.05, 0.50]], [[0.10, 0.40],
+                                                                                          [0.10, 0.55]], 7.0, 6.0),
+                                                 group("C", [[0.20, 0.20]], [[0.20, 0.20]], 6.0, 8.0)]))
+    bench.pool([tmp_path / "a.json", tmp_path / "b.json"])
+    out = capsys.readouterr().out
+    # under 15%: +10, +2, -5 (mean 2.33; B's band mean -1.5 is negative); 15-30%: C's two zeros; over 30%: -10, +4,
+    # -5 (mean -3.67; both groups' means negative)
+    assert "| tiny | calibrated, one run | +2.33 (3), 1 of 2 | +0.00 (2), 0 of 1 | -3.67 (3), 2 of 2 |" in out, out
+    assert out.count("| tiny |") == len(bench.POOLED) == 4
+    # worst after two runs: A 4 (met); B 7 against its halves' 6 (further); C 6 against 8 (within)
+    assert ("within 5 points in 1 of 3 groups; of the 2 over 5, 1 no further off than a split's odd and even rounds"
+            " were from each other (worst over the group's splits), 1 further: tiny B 7.0 against 6.0.") in out
+
+
 def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypatch):
     """bench_pipeline_plan's one launch, on a 5-block model with ZBVZeroBubble (4 splits), one round: every
     split's trainer takes the steps the benchmark's order gives it, numbered as its own (its timeline records
