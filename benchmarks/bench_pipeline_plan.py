@@ -2,6 +2,7 @@
 
     python benchmarks/bench_pipeline_plan.py                     # both models, four schedules
     python benchmarks/bench_pipeline_plan.py --models debug --schedules ZBVZeroBubble
+    python benchmarks/bench_pipeline_plan.py --pool a.json b.json     # tables over earlier --json reports
 
 For each model (the 6-block debug model; a 12-block Llama with a 32k vocabulary, whose output
 projection costs about ten blocks; not run by default, an 8-block one with an 8k vocabulary, a
@@ -51,6 +52,7 @@ lowest on a noisy day (docs/performance.md keeps those tables).
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -469,13 +471,19 @@ def pool(reports: list[Path]) -> None:
                 cells.append(f"{statistics.mean(errors):+.2f} ({len(errors)}), {sum(m < 0 for m in means)} of"
                              f" {len(means)}" if errors else "none")
             print(f"| {model} | {name} | " + " | ".join(cells) + " |")
-    met = [g for g in groups if g["bubble_err_after_two_runs"][1] <= 5]
-    beyond = [g for g in groups if g["bubble_err_after_two_runs"][1] > max(5, g["bubble_halves_apart"][1])]
-    print(f"\nCalibrated from two runs, the worst error within 5 points in {len(met)} of {len(groups)} groups; of the"
-          f" {len(groups) - len(met)} over 5, {len(groups) - len(met) - len(beyond)} no further off than a split's odd"
-          f" and even rounds were from each other (worst over the group's splits), {len(beyond)} further"
+    paced = [g for g in groups if not math.isnan(g["bubble_err_after_two_runs"][1])]  # a pace was fitted
+    over = [g for g in paced if g["bubble_err_after_two_runs"][1] > 5]
+    halves = [g for g in over if not math.isnan(g["bubble_halves_apart"][1])]
+    beyond = [g for g in halves if g["bubble_err_after_two_runs"][1] > g["bubble_halves_apart"][1]]
+    print(f"\nCalibrated from two runs, the worst error within 5 points in {len(paced) - len(over)} of {len(paced)}"
+          " groups"
+          + (f" ({len(groups) - len(paced)} without a pace fitted left out)" if len(paced) < len(groups) else "")
+          + f"; of the {len(over)} over 5, {len(halves) - len(beyond)} no further off than a split's odd and even"
+          f" rounds were from each other (worst over the group's splits), {len(beyond)} further"
           + (": " + "; ".join(f"{g['model']} {g['schedule']} {g['bubble_err_after_two_runs'][1]:.1f} against"
-                               f" {g['bubble_halves_apart'][1]:.1f}" for g in beyond) if beyond else "") + ".")
+                               f" {g['bubble_halves_apart'][1]:.1f}" for g in beyond) if beyond else "")
+          + (f"; {len(over) - len(halves)} without odd and even rounds to compare" if len(halves) < len(over) else "")
+          + ".")
 
 
 def block_paces(rows: list[dict], first, second) -> dict[str, tuple[float, float, int, int]]:
@@ -524,10 +532,17 @@ def main() -> None:
                         help="with --keep: report from the steps a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     parser.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
-                        help="run nothing: tables pooled over the groups of earlier --json reports")
+                        help="run nothing (every other option is ignored): tables pooled over the groups of earlier"
+                             " --json reports of this version")
     args = parser.parse_args()
     if args.pool:
-        pool(args.pool)
+        try:
+            pool(args.pool)
+        except OSError as e:
+            parser.error(f"--pool: {e.filename}: {e.strerror}")
+        except (ValueError, KeyError, TypeError) as e:
+            parser.error(f"--pool: a report this version of the benchmark did not write ({type(e).__name__}: {e});"
+                         " write it again from its launch with --keep DIR --reuse --json FILE")
         return
     if args.reuse and not args.keep:
         parser.error("--reuse reports from the steps kept by an earlier --keep run: name that folder with --keep")

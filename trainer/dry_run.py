@@ -192,7 +192,7 @@ def predicted_step(plan: JobPlan) -> list[str]:
         lines.append(f"(the FLOP model prices every matmul at one throughput and {memory}; measured costs:"
                      " python -m trainer.measure_costs on one device, or a timed pipeline run,"
                      " then --parallelism.pipeline_parallel_cost_file)")
-        blocks = costs.parts["F"][1:-1]
+        blocks = costs.parts["F"][1:-1]  # in relative units their mean is 1: only seconds can fall under the line
         if blocks and (block := sum(blocks) / len(blocks)) < LAUNCH_BOUND_BLOCK_S:
             lines.append(f"(a block's forward is priced at {block * 1e6:,.1f} us at this throughput: under"
                          f" {LAUNCH_BOUND_BLOCK_S * 1e3:g} ms a block's kernels take longer to launch, one at a time,"

@@ -91,7 +91,6 @@ def test_a_benchmark_scripts_counts_are_range_checked(script, monkeypatch, capsy
         assert "check_timed_steps(" in script.read_text(), f"{script.name} takes --steps at or below --warmup"
 
 
-@pytest.mark.slow
 def test_the_planner_benchmark_bands_each_calibrations_error_by_its_own_prediction(monkeypatch):
     """The signed-error table: each rank-split counted in the band of the prediction it is judged against (one run or
     two), measured minus predicted in points; a split without a two-run prediction (the pace run's) left out."""
@@ -108,33 +107,55 @@ def test_the_planner_benchmark_bands_each_calibrations_error_by_its_own_predicti
 
 def test_the_planner_benchmark_pools_earlier_reports(tmp_path, monkeypatch, capsys):
     """--pool: the signed errors of every rank-split of every group, per model and prediction, each banded by its
-    own prediction; and the two-run worst errors against each group's odd/even spread."""
+    own prediction; and the two-run worst errors against each group's odd/even spread (a group without a pace fitted
+    left out and said so)."""
     import json
 
     bench = load_script(REPO / "benchmarks" / "bench_pipeline_plan.py", monkeypatch)
 
-    def group(schedule, measured, predicted, worst, apart):
-        rows = [{"measured": m, **{k: p for k in bench.POOLED}} for m, p in zip(measured, predicted)]
+    def group(schedule, measured, after, two_runs, worst, apart):
+        rows = [{"measured": m, "before": [0.2, 0.2], "one_device": [0.5, 0.5], "after": a, "after_two_runs": t}
+                for m, a, t in zip(measured, after, two_runs)]
         return {"model": "tiny", "schedule": schedule, "rows": rows, "bubble_err_after_two_runs": (1.0, worst),
                 "bubble_halves_apart": (1.0, apart)}
 
-    # group A: +10 under 15%, -10 over 30%; group B: +2 and -5 under 15%, +4 and -5 over 30%; group C: 0 and 0 in
-    # 15-30%
-    (tmp_path / "a.json").write_text(json.dumps([group("A", [[0.15, 0.30]], [[0.05, 0.40]], 4.0, 9.0)]))
-    (tmp_path / "b.json").write_text(json.dumps([group("B", [[0.12, 0.44], [0.05, 0.50]], [[0.10, 0.40],
-                                                                                          [0.10, 0.55]], 7.0, 6.0),
-                                                 group("C", [[0.20, 0.20]], [[0.20, 0.20]], 6.0, 8.0)]))
+    nan = float("nan")
+    (tmp_path / "a.json").write_text(json.dumps([group("A", [[0.15, 0.30]], [[0.05, 0.40]], [[0.05, 0.40]], 4.0, 9.0)]))
+    (tmp_path / "b.json").write_text(json.dumps([
+        group("B", [[0.12, 0.44], [0.05, 0.50]], [[0.10, 0.40], [0.10, 0.55]], [[0.10, 0.40], None], 7.0, 6.0),
+        group("C", [[0.20, 0.20]], [[0.20, 0.20]], [[0.20, 0.20]], 6.0, 8.0),
+        group("D", [[0.20, 0.20]], [[0.20, 0.20]], [None], nan, 8.0),  # no pace fitted
+        group("E", [], [], [], 7.0, nan)]))  # no split measured twice: no odd and even rounds
     bench.pool([tmp_path / "a.json", tmp_path / "b.json"])
     out = capsys.readouterr().out
-    # under 15%: +10, +2, -5 (mean 2.33; B's band mean -1.5 is negative); 15-30%: C's two zeros; over 30%: -10, +4,
-    # -5 (mean -3.67; both groups' means negative)
-    assert "| tiny | calibrated, one run | +2.33 (3), 1 of 2 | +0.00 (2), 0 of 1 | -3.67 (3), 2 of 2 |" in out, out
-    assert out.count("| tiny |") == len(bench.POOLED) == 4
-    # worst after two runs: A 4 (met); B 7 against its halves' 6 (further); C 6 against 8 (within)
-    assert ("within 5 points in 1 of 3 groups; of the 2 over 5, 1 no further off than a split's odd and even rounds"
-            " were from each other (worst over the group's splits), 1 further: tiny B 7.0 against 6.0.") in out
+    rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
+    # measured minus predicted, points, per band (under 15%, 15-30%, over 30%):
+    # before (0.2 everywhere: 15-30%): A -5 +10, B -8 +24 -15 +30, C 0 0, D 0 0: mean 3.6 over 10, no group negative
+    # one device (0.5: over 30%): A -35 -20, B -38 -6 -45 0, C -30 -30, D -30 -30: mean -26.4, every group negative
+    # one run: A +10 | -10; B +2 -5 | +4 -5 (B's means -1.5 and -0.5); C and D 0 0 in 15-30%
+    # two runs (B's second split and D have none): A +10 | -10; B +2 | +4; C 0 0 in 15-30%
+    assert rows == ["| tiny | before calibration (the FLOP model) | none | +3.60 (10), 0 of 4 | none |",
+                    "| tiny | parts timed on one device | none | none | -26.40 (10), 4 of 4 |",
+                    "| tiny | calibrated, one run | +2.33 (3), 1 of 2 | +0.00 (4), 0 of 2 | -3.67 (3), 2 of 2 |",
+                    "| tiny | calibrated, two runs (the pace) | +6.00 (2), 0 of 2 | +0.00 (2), 0 of 1"
+                    " | -3.00 (2), 1 of 2 |"]
+    # worst after two runs: A 4 (met); B 7 against its halves' 6 (further); C 6 against 8 (within); D none; E 7 with
+    # nothing to compare
+    assert ("within 5 points in 1 of 4 groups (1 without a pace fitted left out); of the 3 over 5, 1 no further off"
+            " than a split's odd and even rounds were from each other (worst over the group's splits), 1 further:"
+            " tiny B 7.0 against 6.0; 1 without odd and even rounds to compare.") in out, out
+    # a report of an older version (no two-run figures): one line naming the option, exit 2
+    (tmp_path / "old.json").write_text(json.dumps([{"model": "tiny", "schedule": "A", "rows": []}]))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_pipeline_plan.py"), "--pool",
+                           str(tmp_path / "old.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--pool: a report this version of the benchmark did not write" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_pipeline_plan.py"), "--pool",
+                           str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and f"--pool: {tmp_path / 'none.json'}: No such file" in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypatch):
     """bench_pipeline_plan's one launch, on a 5-block model with ZBVZeroBubble (4 splits), one round: every
     split's trainer takes the steps the benchmark's order gives it, numbered as its own (its timeline records
