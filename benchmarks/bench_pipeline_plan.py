@@ -5,11 +5,11 @@
     python benchmarks/bench_pipeline_plan.py --pool a.json b.json     # tables over earlier --json reports
 
 For each model (the 6-block debug model; a 12-block Llama with a 32k vocabulary, whose output
-projection costs about ten blocks; not run by default, an 8-block one with an 8k vocabulary, a
-shape kept out of the planner's tuning) and schedule (1F1B, Interleaved1F1B, ZBVZeroBubble,
-DualPipeV at pp 2), one torchrun launch builds a trainer for every contiguous split the schedule
-allows (where there are more than --max-splits, the best 10 by the planner's prediction plus 10
-random ones) and the old stage-balanced split, and alternates their steps: after --warmup
+projection costs about ten blocks; not run by default, an 8-block one with an 8k vocabulary and a
+10-block one with a 16k vocabulary, shapes kept out of the planner's tuning) and schedule (1F1B,
+Interleaved1F1B, ZBVZeroBubble, DualPipeV at pp 2), one torchrun launch builds a trainer for every
+contiguous split the schedule allows (where there are more than --max-splits, the best 10 by the
+planner's prediction plus 10 random ones) and the old stage-balanced split, and alternates their steps: after --warmup
 discarded steps of each, --repeats rounds in which every split takes one step, in a seeded
 shuffled order, with a step of the planner's split after each, the pipeline timeline recording
 every measured step. This machine's speed drifts over seconds and minutes; steps about a second
@@ -74,6 +74,8 @@ MODELS = {
     "12x32k": ["--model.overrides.n_layers", "12", "--model.overrides.vocab_size", "32768"],
     # a held-out shape between the two: its output part costs about 2.4 blocks by FLOPs (debug 0.6, 12x32k 9.7)
     "8x8k": ["--model.overrides.n_layers", "8", "--model.overrides.vocab_size", "8192"],
+    # a second held-out shape (2026-11-27): its output part costs about 4.8 blocks by FLOPs
+    "10x16k": ["--model.overrides.n_layers", "10", "--model.overrides.vocab_size", "16384"],
 }
 COMMON = ["--training.steps", "{steps}", "--lr_scheduler.warmup_steps", "1", "--validation.no-enable",
           "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000",
