@@ -9,8 +9,8 @@ projection costs about ten blocks; not run by default, an 8-block one with an 8k
 10-block one with a 16k vocabulary, shapes kept out of the planner's tuning) and schedule (1F1B,
 Interleaved1F1B, ZBVZeroBubble, DualPipeV at pp 2), one torchrun launch builds a trainer for every
 contiguous split the schedule allows (where there are more than --max-splits, the best 10 by the
-planner's prediction plus 10 random ones) and the old stage-balanced split, and alternates their steps: after --warmup
-discarded steps of each, --repeats rounds in which every split takes one step, in a seeded
+planner's prediction plus 10 random ones) and the old stage-balanced split, and alternates their
+steps: after --warmup discarded steps of each, --repeats rounds in which every split takes one step, in a seeded
 shuffled order, with a step of the planner's split after each, the pipeline timeline recording
 every measured step. This machine's speed drifts over seconds and minutes; steps about a second
 apart see the same machine, and every split's steps are spread over the whole launch, so a split's
@@ -534,10 +534,13 @@ def main() -> None:
                         help="with --keep: report from the steps a previous run kept there instead of running them")
     parser.add_argument("--keep", type=Path, help="keep every case's dump folder (timelines, cost files) here")
     parser.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
-                        help="run nothing (every other option is ignored): tables pooled over the groups of earlier"
-                             " --json reports of this version")
+                        help="run nothing: tables pooled over the groups of earlier --json reports of this version"
+                             " (--keep, --reuse and --json are refused with it; the models and schedules are the"
+                             " reports')")
     args = parser.parse_args()
     if args.pool:
+        if given := [name for name, v in (("--keep", args.keep), ("--reuse", args.reuse), ("--json", args.json)) if v]:
+            parser.error(f"--pool runs nothing, so {' and '.join(given)} would do nothing: leave them out")
         try:
             pool(args.pool)
         except OSError as e:

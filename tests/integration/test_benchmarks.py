@@ -153,6 +153,11 @@ def test_the_planner_benchmark_pools_earlier_reports(tmp_path, monkeypatch, caps
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_pipeline_plan.py"), "--pool",
                            str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and f"--pool: {tmp_path / 'none.json'}: No such file" in proc.stderr
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_pipeline_plan.py"), "--pool",
+                           str(tmp_path / "a.json"), "--json", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--pool runs nothing, so --json would do nothing" in proc.stderr
+    assert not (tmp_path / "out.json").exists()
 
 
 @pytest.mark.slow
