@@ -14,6 +14,7 @@ from tests.conftest import load_plan
 from trainer.dry_run import describe_plan
 from trainer.errors import ConfigError
 from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, flop_costs
+from trainer.parallel import pipeline_planner as planner
 from trainer.parallel.pipeline_planner import Simulator, search_splits
 from trainer.parallel.schedule_sim import program_for
 from trainer.plan import JobPlan, split_memory
@@ -76,6 +77,44 @@ def test_the_search_under_a_small_budget_states_a_valid_bound():
     assert found.best[0].makespan <= sim.predict((4,) * 8).makespan
     total_work = sum(sum(sim.stage_load(sim.costs.stage_table((4,) * 8), s) for s in ids) for ids in sim.stage_ids)
     assert found.lower_bound == pytest.approx(total_work / 4)
+    assert 0 < found.visited <= planner.NODES_PER_REPLAY * 300
+
+
+def test_the_branch_and_bound_prices_a_stage_as_its_table_does():
+    """The running sums the branch and bound prices partial splits with give every stage's load as the full
+    table does: the embedding on stage 0 (whose whole backward is its W), the output on the last, the fixed cost
+    per action, for every range of blocks a stage can hold."""
+    rng = random.Random(3)
+    for schedule, pp, per_rank, m in (("ZBVZeroBubble", 2, 2, 4), ("1F1B", 3, 1, 6), ("Interleaved1F1B", 2, 2, 4)):
+        sim = Simulator(random_costs(rng, 7), program_for(schedule, pp, m, per_rank))
+        n, stages = 7, sim.program.num_stages
+        for s in range(stages):
+            for start in range(s, n):
+                for end in range(start + 1, n - (stages - 1 - s) + 1):
+                    if s == stages - 1 and end != n:
+                        continue
+                    counts = [1] * s + [end - start] + [1] * (stages - 1 - s)
+                    counts[0] += start - s  # the stages before hold blocks 0 .. start - 1
+                    if s < stages - 1:
+                        counts[-1] += n - end - (stages - 1 - s)
+                    if min(counts) < 1 or s == 0 and start:
+                        continue
+                    assert sum(counts) == n
+                    table = sim.costs.stage_table(counts)
+                    assert sim.load_of(s, start, end) == pytest.approx(sim.stage_load(table, s), rel=1e-12)
+
+
+def test_the_branch_and_bound_stops_at_its_node_budget_with_a_valid_bound(monkeypatch):
+    """Partial splits visited count against the budget too (each is cheap, but there can be millions): with
+    one node per replay the search stops early, and its split and bound still hold against brute force."""
+    monkeypatch.setattr(planner, "NODES_PER_REPLAY", 1)
+    rng = random.Random(5)
+    sim = Simulator(random_costs(rng, 20), program_for("ZBVZeroBubble", 2, 4, 2))
+    every = brute_force(sim)
+    found = search_splits(sim, budget=60, enumerate_up_to=0)
+    assert not found.exact and found.visited <= 60
+    assert every[0] <= found.best[0].makespan and found.lower_bound <= every[0] * (1 + 1e-12)
+    assert any(m == pytest.approx(found.best[0].makespan, rel=1e-12) for m in every)  # a real split's step
 
 
 def test_the_search_moves_a_block_between_a_ranks_two_v_stages():

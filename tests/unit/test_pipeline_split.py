@@ -9,8 +9,9 @@ from tests.conftest import load_plan
 from trainer.dry_run import describe_plan
 from trainer.errors import ConfigError
 from trainer.models import get_model_spec
+from trainer.parallel.pipeline_planner import Simulator, search_splits
 from trainer.parallel.pipeline_split import balanced_split, module_costs, stage_costs
-from trainer.parallel.schedule_sim import bubble_fraction, check_csv, timeline
+from trainer.parallel.schedule_sim import bubble_fraction, check_csv, program_for, timeline
 
 LLAMA = get_model_spec("llama3")
 
@@ -340,6 +341,19 @@ def test_dry_run_shows_state_and_activations_per_rank():
     assert "activations not estimated: not modelled under context parallelism" in cp
 
 
+def test_a_branch_and_bound_that_finishes_is_called_exact_not_exhaustive(tmp_path):
+    """20 blocks on 4 x 2 V stages: 50,388 splits, more than the search replays, and its branch and bound rules
+    out all but those it simulated: the dry run says exact, and how many it simulated, not all of them."""
+    plan = load_plan(["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule",
+                      "ZBVZeroBubble", "--model.overrides.n_layers", "20", "--training.local_batch_size", "8",
+                      "--job.dump_folder", str(tmp_path)], 4)
+    search = plan.pipeline.search
+    assert search.exact and search.total == 50388 and search.evaluated < search.total
+    text = describe_plan(plan)
+    assert (f"(split_mode makespan; exact: {search.evaluated} of 50,388 splits simulated, the rest ruled out by"
+            " branch and bound)") in text
+
+
 def test_dry_run_plans_8b_on_64_ranks(tmp_path):
     plan = load_plan([
         "--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
@@ -352,6 +366,12 @@ def test_dry_run_plans_8b_on_64_ranks(tmp_path):
     # 2.6M splits of 32 blocks into 8 stages: the planner searches within its budget and states its bound
     assert re.search(r"Split from split_mode flops: predicted [0-9.]+% slower than the planner's choice .*"
                      r"branch and bound over \d+ of 2,629,575 splits; no split is faster than", text)
+    # the bound, and how much slower than it the split found can be (not how far below: 1 - bound / found)
+    search = search_splits(Simulator(plan.pipeline_costs, program_for("ZBVZeroBubble", 4, plan.n_microbatches, 2)))
+    found, bound = search.best[0].makespan, search.lower_bound
+    assert not search.exact and bound < found
+    assert (f"over {search.evaluated} of 2,629,575 splits; no split is faster than {bound:,.1f}, so the one found is"
+            f" at most {100 * (found - bound) / bound:.1f}% slower than the best") in text
     assert "0      0        tok_embeddings, layers.0-3" in text
     assert "7      0        layers.29-31, norm, output" in text
     assert (tmp_path / "pipeline_schedule.txt").read_text().startswith("rank 0: 0F0")

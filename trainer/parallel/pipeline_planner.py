@@ -15,8 +15,9 @@ holds for the priced loads when a rank's pace follows its wait too (``PartCosts.
 ``PACE_RANGE``): at the fixed point a rank's paced busy time is b = L (1 + k (1 - b / M)) for its
 priced load L and the step M, with b <= M. For k >= 0 its pace is at least 1, so M >= b >= L. For
 k < 0, b = L (1 + k) / (1 + k L / M), and M < L would give 1 + k L / M < 1 + k, so b > L > M. If the
-budget runs out first, the result is still a valid split and the search states a lower bound on the
-optimum (the smallest bound of the parts it did not explore), so the gap is known.
+budget runs out first (splits replayed, or partial splits visited), the result is still a valid split and the
+search states a lower bound on the optimum (the smallest bound of the parts it did not explore, at least the
+average rank's work), so the gap is known.
 """
 
 import heapq
@@ -29,8 +30,13 @@ from dataclasses import dataclass
 from trainer.parallel.pipeline_cost import KINDS, PartCosts
 from trainer.parallel.schedule_sim import Program, replay, replay_paced
 
-# Action-replays per search (actions x candidates): about a second of Python at worst.
-REPLAY_BUDGET = 200_000
+# Action-replays per search (actions x candidates): about a second of Python (0.6-1.5 s for 8B and 70B at pp 4-16
+# on this project's CPU, benchmarks/bench_planner_search.py).
+REPLAY_BUDGET = 2_000_000
+# Action-replays that choose the pace run (most_unequal_split): its random draw where there are more splits.
+UNEQUAL_REPLAYS = 200_000
+# Partial splits the branch and bound may visit per replay it may run (each costs a stage's load, not a replay).
+NODES_PER_REPLAY = 100
 # Replays of a paced prediction, a typical count (schedule_sim.replay_paced's rounds and the last one).
 PACED_REPLAYS = 12
 
@@ -60,6 +66,8 @@ class SplitSearch:
     """No split's makespan is below this (equal to the best one's when exact)."""
     refused_for_memory: int
     """Splits evaluated and dropped because a rank would exceed the memory limit."""
+    visited: int = 0
+    """Partial splits the branch and bound priced (at most NODES_PER_REPLAY x the replay budget)."""
 
 
 class Simulator:
@@ -73,9 +81,23 @@ class Simulator:
         self.counts = [[0] * program.num_stages for _ in KINDS]
         for kind, stage, _ in program.actions:
             self.counts[KINDS.index(kind)][stage] += 1
+        # Running sums of the blocks' costs per kind: a stage's load in O(kinds), for the branch and bound.
+        self._sums = [list(itertools.accumulate(costs.parts[k][1:-1], initial=0.0)) for k in KINDS]
 
     def stage_load(self, table: list[list[float]], stage: int) -> float:
         return sum(self.counts[k][stage] * table[k][stage] for k in range(len(KINDS)))
+
+    def load_of(self, stage: int, start: int, end: int) -> float:
+        """``stage_load`` of ``stage`` holding blocks ``start`` to ``end`` - 1, from running sums (equal to it up to
+        rounding): what the branch and bound prices a partial split with, without building its table."""
+        parts, over, last = self.costs.parts, self.costs.overhead, self.program.num_stages - 1
+        values = []
+        for k, kind in enumerate(KINDS):
+            values.append(over[kind] + self._sums[k][end] - self._sums[k][start]
+                          + (parts[kind][0] if stage == 0 else 0.0) + (parts[kind][-1] if stage == last else 0.0))
+        if stage == 0:  # as stage_table: the first stage's whole backward runs as its W, its I computes nothing
+            values[KINDS.index("W")], values[KINDS.index("I")] = values[KINDS.index("B")], 0.0
+        return sum(self.counts[k][stage] * v for k, v in enumerate(values))
 
     @property
     def replays(self) -> int:
@@ -107,7 +129,7 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     # costs the model misses.
     kept: list[tuple[float, float, tuple[int, ...], Prediction]] = []
     seen: set[tuple[int, ...]] = set()
-    state = {"evaluated": 0, "refused": 0}
+    state = {"evaluated": 0, "refused": 0, "visited": 0}
 
     def threshold() -> float:
         return -kept[0][0] if len(kept) == keep else math.inf
@@ -155,12 +177,12 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
 def most_unequal_split(sim: Simulator, cap: int | None = None,
                        skip: tuple[int, ...] | None = None) -> tuple[Prediction, int]:
     """(the split whose ranks' predicted bubbles differ most, how many splits were compared): every contiguous
-    split but ``skip``, or ``cap`` of them drawn with a fixed seed where there are more (default: as many as the
-    search's replay budget allows). A timed run of it fits the pace (``pipeline_cost.fit_pace``) from ranks that
+    split but ``skip``, or ``cap`` of them drawn with a fixed seed where there are more (default: as many as
+    UNEQUAL_REPLAYS allows). A timed run of it fits the pace (``pipeline_cost.fit_pace``) from ranks that
     wait as unequally as the model allows."""
     n, stages = sim.costs.num_blocks, sim.program.num_stages
     if cap is None:
-        cap = max(16, REPLAY_BUDGET // max(len(sim.program.actions) * sim.replays, 1))
+        cap = max(16, UNEQUAL_REPLAYS // max(len(sim.program.actions) * sim.replays, 1))
     rng = random.Random(0)
     cuts = (itertools.combinations(range(1, n), stages - 1) if math.comb(n - 1, stages - 1) <= cap else
             [tuple(sorted(rng.sample(range(1, n), stages - 1))) for _ in range(cap)])
@@ -239,30 +261,32 @@ def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict) -> Non
 def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, budget: int,
                       state: dict) -> float | None:
     """Visit the splits whose busiest rank stays under the current threshold; None when all were seen,
-    else the smallest rank-load bound among the parts left unexplored when the budget ran out."""
+    else the smallest rank-load bound among the parts left unexplored when the budget ran out (replays, or
+    NODES_PER_REPLAY x that many partial splits visited)."""
     owner = sim.owner
     unexplored = [math.inf]
     loads = [0.0] * len(sim.stage_ids)
+    nodes = NODES_PER_REPLAY * budget
+    slack = 1 + 1e-9  # loads from running sums may differ from the tables' in the last bits: never prune a tie
 
     def visit(prefix: list[int], used: int) -> None:
         bound = max(loads)
-        if bound >= threshold():
+        if bound >= threshold() * slack:
             return
-        if state["evaluated"] >= budget:
+        if state["evaluated"] >= budget or state["visited"] >= nodes:
             unexplored[0] = min(unexplored[0], bound)
             return
+        state["visited"] += 1
         s = len(prefix)
         if s == stages - 1:
             counts = (*prefix, n - used)
-            if max(loads[owner[s]] + sim.stage_load(sim.costs.stage_table(counts), s), bound) < threshold():
+            if max(loads[owner[s]] + sim.load_of(s, used, n), bound) < threshold() * slack:
                 evaluate(counts)
             return
         room = n - used - (stages - 1 - s)
         ideal = (n - used) / (stages - s)
         for c in sorted(range(1, room + 1), key=lambda c: abs(c - ideal)):
-            # This stage's load, priced as if it were the last (post counted) only when it is.
-            table = sim.costs.stage_table((*prefix, c, *([1] * (stages - s - 1))))
-            add = sim.stage_load(table, s)
+            add = sim.load_of(s, used, used + c)  # not the last stage: no post part
             loads[owner[s]] += add
             visit([*prefix, c], used + c)
             loads[owner[s]] -= add
@@ -276,4 +300,4 @@ def _result(kept, total: int, state: dict, *, exact: bool, lower: float | None) 
     if best:
         lower = best[0].makespan if lower is None else min(lower, best[0].makespan)
     return SplitSearch(best, total, state["evaluated"], exact, lower if lower is not None else math.inf,
-                       state["refused"])
+                       state["refused"], state["visited"])
