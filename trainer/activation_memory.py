@@ -65,10 +65,21 @@ def part_activations(spec, args, dims, dtype_bytes: int, *, activation_checkpoin
     return PartActivations((per_token.pre, *kept, per_token.post), (0.0, *recompute, 0.0), stage)
 
 
-def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], ops: list[list],
-               tokens: int) -> list[float]:
+def rank_actions(ops: list[list]) -> list[tuple[list, set]]:
+    """Each rank's (kind, stage, microbatch) actions in order from torch's lists, and the (stage, microbatch)
+    pairs whose backward is split (their W frees the activations): what ``rank_peaks`` walks."""
+    walked = []
+    for actions in ops:
+        flat = [x for a in actions for x in _flatten(a)]
+        walked.append((flat, {(s, m) for kind, s, m in flat if kind == "W"}))
+    return walked
+
+
+def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], ops: list[list] | None,
+               tokens: int, walked: list[tuple[list, set]] | None = None) -> list[float]:
     """Peak saved bytes of each pipeline rank for stages of ``counts`` blocks, walking each rank's
-    schedule actions ``ops`` (torch's lists) with microbatches of ``tokens`` tokens."""
+    schedule actions ``ops`` (torch's lists; or ``walked``, ``rank_actions(ops)`` made once for many splits)
+    with microbatches of ``tokens`` tokens."""
     last = len(counts) - 1
     stage_bytes, stage_recompute, start = [], [], 1
     for s, c in enumerate(counts):
@@ -78,9 +89,7 @@ def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], o
         stage_recompute.append(tokens * max(per_part.recompute[i] for i in parts))
         start += c
     peaks = []
-    for actions in ops:
-        flat = [x for a in actions for x in _flatten(a)]
-        split = {(s, m) for kind, s, m in flat if kind == "W"}
+    for flat, split in walked if walked is not None else rank_actions(ops):
         live = peak = 0.0
         for kind, stage, mb in flat:
             if kind == "F":

@@ -508,7 +508,7 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
                  n_micro: int):
     """``rank_bytes(counts, placement)``: each pipeline rank's state + activation bytes for stages of ``counts``
     blocks, rank r holding stages ``placement[r]`` (activations 0 where they are not estimated)."""
-    from trainer.activation_memory import part_activations, rank_peaks
+    from trainer.activation_memory import part_activations, rank_actions, rank_peaks
 
     p = config.parallelism
     present = lambda names: [getattr(whole, n) for n in names if getattr(whole, n, None) is not None]  # noqa: E731
@@ -520,6 +520,7 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
                                 **activation_sections(config))
     schedule, traits = schedule_traits(p)
     tokens = p.pipeline_parallel_microbatch_size * config.training.seq_len
+    walked = []  # each rank's actions, walked once for every split priced
 
     def rank_bytes(counts: tuple[int, ...], placement: list[list[int]]) -> list[float]:
         last = len(counts) - 1
@@ -530,8 +531,9 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
             start += c
         acts = [0.0] * dims.pp
         if not traits.from_file and not isinstance(per_part, str):
-            acts = rank_peaks(per_part, counts, schedule_ops(schedule, dims.pp, n_micro, len(counts) // dims.pp),
-                              tokens)
+            if not walked:
+                walked.extend(rank_actions(schedule_ops(schedule, dims.pp, n_micro, len(counts) // dims.pp)))
+            acts = rank_peaks(per_part, counts, None, tokens, walked)
         return [sum(stage_state[s] for s in placement[r]) * BYTES_PER_PARAM / split + acts[r] for r in range(dims.pp)]
 
     return rank_bytes

@@ -53,7 +53,7 @@ CASES = [  # schedule, pp, stages per rank, microbatches
 def test_the_planner_finds_the_exhaustive_optimum(schedule, pp, per_rank, m):
     """Random part costs (and a transfer time): both the full enumeration and the branch and bound return
     the four best makespans of a brute-force search."""
-    rng = random.Random(hash((schedule, pp, per_rank)) % 1000)
+    rng = random.Random(f"{schedule}-{pp}-{per_rank}")
     program = program_for(schedule, pp, m, per_rank)
     for trial in range(3):
         n_blocks = pp * per_rank + rng.randint(2, 5)
@@ -104,6 +104,52 @@ def test_the_branch_and_bound_prices_a_stage_as_its_table_does():
                     assert sim.load_of(s, start, end) == pytest.approx(sim.stage_load(table, s), rel=1e-12)
 
 
+@pytest.mark.parametrize("schedule,pp,per_rank,m", CASES)
+def test_the_bound_without_a_replay_holds_for_every_split(schedule, pp, per_rank, m):
+    """Simulator.bound (a rank's busy time after one microbatch's forward reaches its first stage) is never above a
+    split's replayed step, with transfers and with a pace either way (k = 0.4, -0.4: for k < 0 the busy time
+    alone); and the forward term is not idle beyond two ranks: it is above the busiest rank's time for some split."""
+    rng = random.Random(f"{schedule}-{pp}-{per_rank}-bound")
+    program = program_for(schedule, pp, m, per_rank)
+    above_busiest = {}
+    for k in (0.0, 0.4, -0.4):
+        costs = random_costs(rng, pp * per_rank + 3, send=0.3)
+        sim = Simulator(PartCosts(costs.parts, costs.overhead, costs.send, "units", "random", pace=k), program)
+        above_busiest[k] = 0
+        for cuts in itertools.combinations(range(1, sim.costs.num_blocks), program.num_stages - 1):
+            counts = tuple(b - a for a, b in zip((0, *cuts), (*cuts, sim.costs.num_blocks)))
+            pred, bound = sim.predict(counts), sim.bound(counts)
+            assert bound <= pred.makespan * (1 + 1e-9), (counts, bound, pred.makespan)
+            table = sim.costs.stage_table(counts)
+            priced = max(sum(sim.stage_load(table, s) for s in ids) for ids in sim.stage_ids)
+            above_busiest[k] += bound > priced * (1 + 1e-9)
+    assert above_busiest[-0.4] == 0
+    if pp > 2:
+        assert above_busiest[0.0] > 0 and above_busiest[0.4] > 0, above_busiest
+
+
+def test_the_descent_skips_only_splits_that_cannot_be_kept(monkeypatch):
+    """Moves whose bound is above both the four kept splits and the descent's current split are not replayed: each
+    descent from a seed stops where it stops without the bound, the same four splits are kept, in fewer replays
+    (the branch and bound left out, so nothing else finds them). Seeded first with the best split there is, the
+    later descents start above the kept splits: a move that beats their current split must still be replayed."""
+    monkeypatch.setattr(planner, "_branch_and_bound", lambda *args: 0.0)
+    sim = Simulator(random_costs(random.Random(11), 14, send=0.2), program_for("ZBVZeroBubble", 3, 6, 2))
+    n, stages = sim.costs.num_blocks, sim.program.num_stages
+    best = min((tuple(b - a for a, b in zip((0, *cuts), (*cuts, n))) for cuts in
+                itertools.combinations(range(1, n), stages - 1)), key=lambda c: sim.predict(c).makespan)
+    descend, ends = planner._descend, []
+    monkeypatch.setattr(planner, "_descend", lambda *args: ends.append(descend(*args)) or ends[-1])
+    pruned = search_splits(sim, seed=best, enumerate_up_to=0)
+    pruned_ends, ends[:] = [p.counts for p in ends], []
+    monkeypatch.setattr(Simulator, "bound", lambda self, counts: 0.0)
+    replayed = search_splits(sim, seed=best, enumerate_up_to=0)
+    assert pruned_ends == [p.counts for p in ends] and len(pruned_ends) == 3
+    assert pruned_ends[1] != planner._rank_balanced(sim)  # the second descent moved from its seed
+    assert [(p.counts, p.makespan) for p in pruned.best] == [(p.counts, p.makespan) for p in replayed.best]
+    assert pruned.evaluated < replayed.evaluated
+
+
 def test_the_branch_and_bound_stops_at_its_node_budget_with_a_valid_bound(monkeypatch):
     """Partial splits visited count against the budget too (each is cheap, but there can be millions): with
     one node per replay the search stops early, and its split and bound still hold against brute force."""
@@ -112,7 +158,7 @@ def test_the_branch_and_bound_stops_at_its_node_budget_with_a_valid_bound(monkey
     sim = Simulator(random_costs(rng, 20), program_for("ZBVZeroBubble", 2, 4, 2))
     every = brute_force(sim)
     found = search_splits(sim, budget=60, enumerate_up_to=0)
-    assert not found.exact and found.visited <= 60
+    assert not found.exact and found.visited == 60 and found.evaluated < 60  # the nodes ran out, not the replays
     assert every[0] <= found.best[0].makespan and found.lower_bound <= every[0] * (1 + 1e-12)
     assert any(m == pytest.approx(found.best[0].makespan, rel=1e-12) for m in every)  # a real split's step
 

@@ -30,12 +30,16 @@ from dataclasses import dataclass
 from trainer.parallel.pipeline_cost import KINDS, PartCosts
 from trainer.parallel.schedule_sim import Program, replay, replay_paced
 
-# Action-replays per search (actions x candidates): about a second of Python (0.6-1.5 s for 8B and 70B at pp 4-16
-# on this project's CPU, benchmarks/bench_planner_search.py).
+# Action-replays (actions x candidates) of the whole search when it lists every split, else of its branch and bound.
 REPLAY_BUDGET = 2_000_000
 # Action-replays that choose the pace run (most_unequal_split): its random draw where there are more splits.
 UNEQUAL_REPLAYS = 200_000
-# Partial splits the branch and bound may visit per replay it may run (each costs a stage's load, not a replay).
+# Action-replays of the descents from the seeds, by default (moves a bound rules out are not replayed). With the
+# branch and bound: 0.9-8.2 s a search for 8B and 70B at pp 4-16 on this project's CPU, planning alone (no memory
+# limit), and up to 8.2% faster splits than 200,000 in all (benchmarks/bench_planner_search.py).
+DESCENT_REPLAYS = 20_000_000
+# Partial splits the branch and bound may visit per replay in its budget (a visit prices its children's stage loads
+# from running sums, no replay).
 NODES_PER_REPLAY = 100
 # Replays of a paced prediction, a typical count (schedule_sim.replay_paced's rounds and the last one).
 PACED_REPLAYS = 12
@@ -83,6 +87,7 @@ class Simulator:
             self.counts[KINDS.index(kind)][stage] += 1
         # Running sums of the blocks' costs per kind: a stage's load in O(kinds), for the branch and bound.
         self._sums = [list(itertools.accumulate(costs.parts[k][1:-1], initial=0.0)) for k in KINDS]
+        self._first = [min(ids) for ids in self.stage_ids]
 
     def stage_load(self, table: list[list[float]], stage: int) -> float:
         return sum(self.counts[k][stage] * table[k][stage] for k in range(len(KINDS)))
@@ -98,6 +103,24 @@ class Simulator:
         if stage == 0:  # as stage_table: the first stage's whole backward runs as its W, its I computes nothing
             values[KINDS.index("W")], values[KINDS.index("I")] = values[KINDS.index("B")], 0.0
         return sum(self.counts[k][stage] * v for k, v in enumerate(values))
+
+    def bound(self, counts: tuple[int, ...]) -> float:
+        """A step no split of ``counts`` can beat, without a replay: for each rank, one microbatch's forward through
+        the stages below its first (no action of the rank can start before that: each needs a forward of its own
+        stage, which needs the forwards below) plus the rank's busy time. Paced (k >= 0) both only grow; for a pace
+        below 0 the busy time alone (the module's note)."""
+        owner, over, send, f = self.owner, self.costs.overhead["F"], self.costs.send, KINDS.index("F")
+        pre, post, last = self.costs.parts["F"][0], self.costs.parts["F"][-1], len(counts) - 1
+        loads, reach, start = [0.0] * len(self.stage_ids), [0.0], 0
+        for s, c in enumerate(counts):
+            loads[owner[s]] += self.load_of(s, start, start + c)
+            forward = (over + self._sums[f][start + c] - self._sums[f][start] + (pre if s == 0 else 0.0)
+                       + (post if s == last else 0.0))
+            reach.append(reach[-1] + forward + (send if s < last and owner[s] != owner[s + 1] else 0.0))
+            start += c
+        if self.costs.pace < 0:
+            return max(loads)
+        return max(reach[self._first[r]] + load for r, load in enumerate(loads))
 
     @property
     def replays(self) -> int:
@@ -117,9 +140,11 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     """The ``keep`` best contiguous splits of ``sim``'s blocks into its stages by simulated makespan.
 
     ``fits(counts)``: whether every rank of that split fits its memory (None: no limit). ``budget``:
-    most splits to replay (default: REPLAY_BUDGET action-replays). ``seed``: a split to start from.
+    most splits to replay in the whole search (default: REPLAY_BUDGET action-replays to list every split or for
+    the branch and bound, DESCENT_REPLAYS for the descents before it). ``seed``: a split to start from.
     ``enumerate_up_to``: list every split when there are at most this many (default: the budget)."""
     n, stages = sim.costs.num_blocks, sim.program.num_stages
+    explicit = budget is not None
     if budget is None:
         budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions) * sim.replays, 1))
     total = math.comb(n - 1, stages - 1)
@@ -165,9 +190,26 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     # Incumbents first (sharp pruning): the given seed, the even split and the rank-balanced one,
     # each walked downhill.
     even = tuple(n // stages + (1 if s < n % stages else 0) for s in range(stages))
+    # A given budget bounds the whole search; by default the descents have their own, the branch and bound its own.
+    descents = budget if explicit else max(budget, DESCENT_REPLAYS // max(len(sim.program.actions) * sim.replays, 1))
+    def skip(counts: tuple[int, ...], current: float) -> bool:
+        """Whether a move's bound puts it above both the kept splits (whose step is compared rounded, within 1e-8)
+        and the descent's current split: then it could neither be kept nor be the descent's next step. It counts as
+        seen, as a replayed split does, so later descents and the branch and bound pass it by alike."""
+        if counts in seen:
+            return False
+        bound = sim.bound(counts)
+        if bound > threshold() * (1 + 1e-7) and bound > current * (1 + 1e-9):
+            seen.add(counts)
+            return True
+        return False
+
     for start in dict.fromkeys(s for s in (seed, _rank_balanced(sim), even) if s is not None):
-        _descend(start, evaluate, budget, state)
-    lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, state)
+        _descend(start, evaluate, descents, state, skip)
+    nodes = NODES_PER_REPLAY * budget
+    if not explicit:
+        budget += state["evaluated"]
+    lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, nodes, state)
     if lower is not None:  # no rank works less than the average rank: the step is at least that long
         lower = max(lower, sum(sim.stage_load(sim.costs.stage_table(even), s) for s in range(stages))
                     / len(sim.stage_ids))
@@ -233,10 +275,11 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict) -> None:
+def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=None) -> Prediction | None:
     """Move one block from one stage to another while that shortens the step (first improvement; neighbouring
-    stages first). A block moved between stages further apart shifts every cut between them: how a rank's
-    two stages of a V placement trade a block, which one cut at a time would pass through worse splits."""
+    stages first); returns where it stopped. A block moved between stages further apart shifts every cut between
+    them: how a rank's two stages of a V placement trade a block, which one cut at a time would pass through worse
+    splits. ``skip(counts, current step)``: a move not to replay."""
     best = evaluate(counts)
     current = counts
     stages = len(counts)
@@ -250,23 +293,25 @@ def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict) -> Non
             c = list(current)
             c[i] -= 1
             c[j] += 1
+            if skip is not None and best is not None and skip(tuple(c), best.makespan):
+                continue
             pred = evaluate(tuple(c))
             if pred is not None and (best is None or pred.makespan < best.makespan):
                 best, current, improved = pred, tuple(c), True
                 break
             if state["evaluated"] >= budget:
                 break
+    return best
 
 
-def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, budget: int,
+def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, budget: int, nodes: int,
                       state: dict) -> float | None:
     """Visit the splits whose busiest rank stays under the current threshold; None when all were seen,
-    else the smallest rank-load bound among the parts left unexplored when the budget ran out (replays, or
-    NODES_PER_REPLAY x that many partial splits visited)."""
+    else the smallest rank-load bound among the parts left unexplored when the budget ran out (``budget``
+    replays in all, or ``nodes`` partial splits visited)."""
     owner = sim.owner
     unexplored = [math.inf]
     loads = [0.0] * len(sim.stage_ids)
-    nodes = NODES_PER_REPLAY * budget
     slack = 1 + 1e-9  # loads from running sums may differ from the tables' in the last bits: never prune a tie
 
     def visit(prefix: list[int], used: int) -> None:
