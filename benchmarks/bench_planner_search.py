@@ -1,12 +1,13 @@
-"""The planner's search at pp 4-16: the step of the split it finds, and how long it searches, per replay budget.
+"""The planner's search at pp 4-16: the step of the split it finds, and how long it searches, per budget.
 
     python benchmarks/bench_planner_search.py            # prints a markdown table (docs/performance.md)
 
 For each case the FLOP model's costs (relative units, full activation checkpointing) are planned as the dry run
-plans them, then the search runs with each budget of action-replays: the one before (200,000), the default
-(``pipeline_planner.REPLAY_BUDGET``) and five times the default. Where a search ends exact the split found is the
-best there is. The search is deterministic: its split does not depend on the machine, its seconds do. No
-process group and no GPU: this is the planning a dry run and every rank's start-up do.
+plans them, then the search runs three times: with 200,000 action-replays in all (the budget before the
+descents had their own), with the defaults (``pipeline_planner.DESCENT_REPLAYS`` for the descents from the
+seeds, ``REPLAY_BUDGET`` for the branch and bound), and with both defaults five times larger. Where a search
+ends exact the split found is the best there is. The search is deterministic: its split does not depend on the
+machine, its seconds do. No process group and no GPU: this is the planning a dry run and every rank's start-up do.
 """
 
 import argparse
@@ -50,10 +51,18 @@ def simulator(config: str, pp: int, schedule: str, batch: int) -> pipeline_plann
         schedule, pp, plan.n_microbatches, plan.pipeline.stages_per_rank))
 
 
-def search(sim: pipeline_planner.Simulator, replays: int) -> tuple[pipeline_planner.SplitSearch, float]:
-    start = time.perf_counter()
-    found = pipeline_planner.search_splits(sim, budget=max(64, replays // len(sim.program.actions)))
-    return found, time.perf_counter() - start
+def search(sim: pipeline_planner.Simulator, scale: int | None) -> tuple[pipeline_planner.SplitSearch, float]:
+    """``scale`` None: EARLIER_BUDGET action-replays in all; else the defaults times ``scale``."""
+    defaults = pipeline_planner.REPLAY_BUDGET, pipeline_planner.DESCENT_REPLAYS
+    budget = None if scale is not None else max(64, EARLIER_BUDGET // len(sim.program.actions))
+    if scale is not None:
+        pipeline_planner.REPLAY_BUDGET, pipeline_planner.DESCENT_REPLAYS = (scale * d for d in defaults)
+    try:
+        start = time.perf_counter()
+        found = pipeline_planner.search_splits(sim, budget=budget)
+        return found, time.perf_counter() - start
+    finally:
+        pipeline_planner.REPLAY_BUDGET, pipeline_planner.DESCENT_REPLAYS = defaults
 
 
 def main() -> None:
@@ -62,19 +71,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.cases and max(args.cases) >= len(CASES):
         parser.error(f"--cases {max(args.cases)}: there are {len(CASES)} cases, 0 to {len(CASES) - 1}")
-    budgets = [EARLIER_BUDGET, pipeline_planner.REPLAY_BUDGET, 5 * pipeline_planner.REPLAY_BUDGET]
-    names = ["200k (before)", f"{pipeline_planner.REPLAY_BUDGET // 1000:,}k (default)",
-             f"{5 * pipeline_planner.REPLAY_BUDGET // 1000:,}k"]
+    scales = [None, 1, 5]
+    names = ["200k in all (before)", "defaults", "defaults x 5"]
     print("| model | pp | schedule | microbatches | splits | "
-          + " | ".join(f"{n}: step, search s" for n in names) + " | default against before |")
-    print("|---|---:|---|---:|---:|" + "---|" * len(budgets) + "---:|")
+          + " | ".join(f"{n}: step, search s" for n in names) + " | defaults against before |")
+    print("|---|---:|---|---:|---:|" + "---|" * len(scales) + "---:|")
     for i, (config, pp, schedule, batch) in enumerate(CASES):
         if args.cases and i not in args.cases:
             continue
         sim = simulator(config, pp, schedule, batch)
         cells, steps = [], []
-        for replays in budgets:
-            found, seconds = search(sim, replays)
+        for scale in scales:
+            found, seconds = search(sim, scale)
             steps.append(found.best[0].makespan)
             cells.append(f"{found.best[0].makespan:,.1f}{' (exact)' if found.exact else ''}, {seconds:.1f} s")
         splits = math.comb(sim.costs.num_blocks - 1, sim.program.num_stages - 1)
