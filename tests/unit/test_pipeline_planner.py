@@ -80,6 +80,29 @@ def test_the_search_under_a_small_budget_states_a_valid_bound():
     assert 0 < found.visited <= planner.NODES_PER_REPLAY * 300
 
 
+def test_the_stated_bound_holds_where_a_measured_backward_is_not_i_plus_w():
+    """Measured costs need not have B = I + W, and the first stage runs each of its blocks' B as its W: then the
+    ranks' total work depends on the split, so the bound from the average rank is taken over the least total any
+    split gives (not the even split's), and no split's step, nor its total work, is below it."""
+    rng = random.Random("b-not-i-plus-w")
+    for factor in (0.4, 1.8):  # B cheaper, or dearer, than I + W
+        costs = random_costs(rng, 9)
+        parts = {**costs.parts, "B": tuple(factor * b for b in costs.parts["B"])}
+        sim = Simulator(PartCosts(parts, costs.overhead, 0.0, "units", "random"), program_for("ZBVZeroBubble", 2, 4, 2))
+        totals = []
+        for cuts in itertools.combinations(range(1, 9), 3):
+            counts = tuple(b - a for a, b in zip((0, *cuts), (*cuts, 9)))
+            table = sim.costs.stage_table(counts)
+            totals.append(sum(sim.stage_load(table, s) for s in range(4)))
+        assert min(totals) == pytest.approx(sim.least_work(), rel=1e-12)
+        found = search_splits(sim, budget=5, enumerate_up_to=0)
+        assert not found.exact and found.lower_bound <= min(brute_force(sim)) * (1 + 1e-12)
+        assert found.lower_bound >= min(totals) / 2 * (1 - 1e-12)
+        even = sim.costs.stage_table((3, 2, 2, 2))
+        if factor < 1:  # the even split's stage 0 holds fewer blocks than the least total's: its average is higher
+            assert found.lower_bound < sum(sim.stage_load(even, s) for s in range(4)) / 2
+
+
 def test_the_branch_and_bound_prices_a_stage_as_its_table_does():
     """The running sums the branch and bound prices partial splits with give every stage's load as the full
     table does: the embedding on stage 0 (whose whole backward is its W), the output on the last, the fixed cost

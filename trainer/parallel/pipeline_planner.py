@@ -122,6 +122,19 @@ class Simulator:
             return max(loads)
         return max(reach[self._first[r]] + load for r, load in enumerate(loads))
 
+    def least_work(self) -> float:
+        """The least the ranks work in all over every split. The first stage holds the first c blocks and runs their
+        whole backward as its W (its I computes nothing, and a measured B need not be I + W); every other block goes
+        to the later stage where it costs least; plus what each stage costs without blocks. The least over c is
+        the least total (exact where the later stages price a block alike, as torch's schedules do)."""
+        n, stages = self.costs.num_blocks, self.program.num_stages
+        empty = [self.load_of(s, 0, 0) for s in range(stages)]
+        if stages == 1:
+            return self.load_of(0, 0, n)
+        later = [min(self.load_of(s, b, b + 1) - empty[s] for s in range(1, stages)) for b in range(n)]
+        tail = list(itertools.accumulate(reversed(later), initial=0.0))[::-1]  # tail[c]: blocks c .. n - 1
+        return sum(empty[1:]) + min(self.load_of(0, 0, c) + tail[c] for c in range(1, n - stages + 2))
+
     @property
     def replays(self) -> int:
         """Replays of the schedule per predicted split, about (a paced one's rounds: PACED_REPLAYS)."""
@@ -210,9 +223,8 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     if not explicit:
         budget += state["evaluated"]
     lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, nodes, state)
-    if lower is not None:  # no rank works less than the average rank: the step is at least that long
-        lower = max(lower, sum(sim.stage_load(sim.costs.stage_table(even), s) for s in range(stages))
-                    / len(sim.stage_ids))
+    if lower is not None:  # some rank works at least the average: the step is at least the least average
+        lower = max(lower, sim.least_work() / len(sim.stage_ids))
     return _result(kept, total, state, exact=lower is None, lower=lower)
 
 
