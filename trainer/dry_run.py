@@ -207,8 +207,9 @@ def predicted_step(plan: JobPlan) -> list[str]:
     lines.append(f"step (makespan): {_amount(chosen.makespan, unit)}{'' if unit == 's' else ' units'}")
     search = pipeline.search or search_splits(sim)
     seen = f"{search.evaluated:,} of {search.total:,} splits"
-    how = (f"exact: all {search.total} contiguous splits simulated" if search.exact and search.evaluated >= search.total
-           else f"exact: {seen} simulated, the rest ruled out by branch and bound" if search.exact else
+    every = search.exact and search.evaluated >= search.total
+    how = (f"exact: all {search.total:,} contiguous splits simulated" if every else
+           f"exact: {seen} simulated, the rest ruled out by branch and bound" if search.exact else
            f"{seen} simulated; no split is faster than"
            f" {_amount(search.lower_bound, unit)}, so the one found is at most"
            f" {100 * (search.best[0].makespan / search.lower_bound - 1):.1f}% slower than the best")

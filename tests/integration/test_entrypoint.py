@@ -166,7 +166,7 @@ def test_readme_dry_run_plans_8b_on_64_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "pp 4 = 64 ranks" in proc.stdout and "1F1B, 4 stages, 1 per rank" in proc.stdout
     # 32 blocks cut into 4 contiguous stages: C(31, 3) splits, few enough to simulate them all
-    assert f"exact: all {math.comb(31, 3)} contiguous splits simulated" in proc.stdout
+    assert f"exact: all {math.comb(31, 3):,} contiguous splits simulated" in proc.stdout
     # the predicted step's table adds up: every rank is busy or idle for the whole makespan
     lines = proc.stdout.splitlines()
     makespan = float(next(line for line in lines if line.startswith("step (makespan):")).split()[2])

@@ -171,6 +171,17 @@ def test_the_descent_skips_only_splits_that_cannot_be_kept(monkeypatch):
     assert pruned_ends[1] != planner._rank_balanced(sim)  # the second descent moved from its seed
     assert [(p.counts, p.makespan) for p in pruned.best] == [(p.counts, p.makespan) for p in replayed.best]
     assert pruned.evaluated < replayed.evaluated
+    # Unseeded: the kept splits come from moves the descents passed by (not stepped to), on other shapes too
+    for trial, (schedule, pp, per_rank, m) in enumerate([("ZBVZeroBubble", 2, 2, 4), ("Interleaved1F1B", 3, 2, 6),
+                                                         ("1F1B", 4, 1, 8), ("DualPipeV", 3, 2, 6)]):
+        sim = Simulator(random_costs(random.Random(f"skip-{trial}"), 16, send=0.1),
+                        program_for(schedule, pp, m, per_rank))
+        monkeypatch.undo()
+        monkeypatch.setattr(planner, "_branch_and_bound", lambda *args: 0.0)
+        pruned = search_splits(sim, enumerate_up_to=0)
+        monkeypatch.setattr(Simulator, "bound", lambda self, counts: 0.0)
+        replayed = search_splits(sim, enumerate_up_to=0)
+        assert [(p.counts, p.makespan) for p in pruned.best] == [(p.counts, p.makespan) for p in replayed.best]
 
 
 def test_the_branch_and_bound_stops_at_its_node_budget_with_a_valid_bound(monkeypatch):

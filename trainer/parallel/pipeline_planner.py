@@ -7,17 +7,19 @@ a rank idle a third of the time. Each candidate split is priced per stage and ac
 transfers between ranks (``schedule_sim.replay``); the split with the smallest makespan wins,
 among those whose every rank fits the memory limit.
 
-Search: every split when there are at most ``budget`` of them (exact). Otherwise a depth-first
-branch and bound over the cut positions, seeded with the stage-balanced split improved by moving
-one block at a time between any two stages: a rank's busy time never exceeds the makespan, so any
-partial split whose busiest rank already exceeds the best makespans kept is dropped unseen. That
+Search: every split when there are at most ``budget`` of them (exact). Otherwise descents from the given
+split, a rank-balanced one and the even one, each moving one block at a time between any two stages while
+that shortens the step (moves that ``Simulator.bound`` puts above both the kept splits and the descent's
+current split are not replayed), then a depth-first branch and bound over the cut positions: a rank's busy
+time never exceeds the makespan, so any partial split whose busiest rank already exceeds the best makespans
+kept is dropped unseen. That
 holds for the priced loads when a rank's pace follows its wait too (``PartCosts.pace`` = k, within
 ``PACE_RANGE``): at the fixed point a rank's paced busy time is b = L (1 + k (1 - b / M)) for its
 priced load L and the step M, with b <= M. For k >= 0 its pace is at least 1, so M >= b >= L. For
 k < 0, b = L (1 + k) / (1 + k L / M), and M < L would give 1 + k L / M < 1 + k, so b > L > M. If the
 budget runs out first (splits replayed, or partial splits visited), the result is still a valid split and the
 search states a lower bound on the optimum (the smallest bound of the parts it did not explore, at least the
-average rank's work), so the gap is known.
+average rank's least work, ``Simulator.least_work``), so the gap is known.
 """
 
 import heapq
@@ -123,10 +125,11 @@ class Simulator:
         return max(reach[self._first[r]] + load for r, load in enumerate(loads))
 
     def least_work(self) -> float:
-        """The least the ranks work in all over every split. The first stage holds the first c blocks and runs their
-        whole backward as its W (its I computes nothing, and a measured B need not be I + W); every other block goes
-        to the later stage where it costs least; plus what each stage costs without blocks. The least over c is
-        the least total (exact where the later stages price a block alike, as torch's schedules do)."""
+        """At most the least the ranks work in all over every split. The first stage holds the first c blocks and
+        runs their whole backward as its W (its I computes nothing, and a measured B need not be I + W); every other
+        block goes to the later stage where it costs least; plus what each stage costs without blocks; the least
+        over c. Exact where every later stage runs the same actions (not DualPipeV, whose stages run B or I and W
+        by rank and step, nor every CSV schedule); a lower bound always."""
         n, stages = self.costs.num_blocks, self.program.num_stages
         empty = [self.load_of(s, 0, 0) for s in range(stages)]
         if stages == 1:
@@ -324,7 +327,7 @@ def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, 
     owner = sim.owner
     unexplored = [math.inf]
     loads = [0.0] * len(sim.stage_ids)
-    slack = 1 + 1e-9  # loads from running sums may differ from the tables' in the last bits: never prune a tie
+    slack = 1 + 1e-8  # as evaluate's tie window (steps rounded to 9 digits); running sums differ in the last bits
 
     def visit(prefix: list[int], used: int) -> None:
         bound = max(loads)
