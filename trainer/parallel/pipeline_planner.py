@@ -203,11 +203,12 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
             evaluate(tuple(b - a for a, b in zip(bounds, bounds[1:])))
         return _result(kept, total, state, exact=True, lower=None)
 
-    # Incumbents first (sharp pruning): the given seed, the even split and the rank-balanced one,
+    # Incumbents first (sharp pruning): the given seed, the rank-balanced split and the even one,
     # each walked downhill.
     even = tuple(n // stages + (1 if s < n % stages else 0) for s in range(stages))
     # A given budget bounds the whole search; by default the descents have their own, the branch and bound its own.
     descents = budget if explicit else max(budget, DESCENT_REPLAYS // max(len(sim.program.actions) * sim.replays, 1))
+
     def skip(counts: tuple[int, ...], current: float) -> bool:
         """Whether a move's bound puts it above both the kept splits (whose step is compared rounded, within 1e-8)
         and the descent's current split: then it could neither be kept nor be the descent's next step. It counts as
