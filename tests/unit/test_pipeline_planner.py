@@ -193,6 +193,10 @@ def test_the_branch_and_bound_stops_at_its_node_budget_with_a_valid_bound(monkey
     every = brute_force(sim)
     found = search_splits(sim, budget=60, enumerate_up_to=0)
     assert not found.exact and found.visited == 60 and found.evaluated < 60  # the nodes ran out, not the replays
+    # By default the cap is on the branch and bound's own budget, not on it plus the descents' replays
+    monkeypatch.setattr(planner, "REPLAY_BUDGET", 64 * len(sim.program.actions))  # the least budget, 64 splits
+    default = search_splits(sim)
+    assert not default.exact and default.visited == 64  # with the descents' replays added it visits more
     assert every[0] <= found.best[0].makespan and found.lower_bound <= every[0] * (1 + 1e-12)
     assert any(m == pytest.approx(found.best[0].makespan, rel=1e-12) for m in every)  # a real split's step
 
