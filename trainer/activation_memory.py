@@ -75,11 +75,11 @@ def rank_actions(ops: list[list]) -> list[tuple[list, set]]:
     return walked
 
 
-def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], ops: list[list] | None,
-               tokens: int, walked: list[tuple[list, set]] | None = None) -> list[float]:
+def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], walked: list[tuple[list, set]],
+               tokens: int) -> list[float]:
     """Peak saved bytes of each pipeline rank for stages of ``counts`` blocks, walking each rank's
-    schedule actions ``ops`` (torch's lists; or ``walked``, ``rank_actions(ops)`` made once for many splits)
-    with microbatches of ``tokens`` tokens."""
+    schedule actions (``rank_actions`` of torch's lists, made once for any number of splits) with
+    microbatches of ``tokens`` tokens."""
     last = len(counts) - 1
     stage_bytes, stage_recompute, start = [], [], 1
     for s, c in enumerate(counts):
@@ -89,7 +89,7 @@ def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], o
         stage_recompute.append(tokens * max(per_part.recompute[i] for i in parts))
         start += c
     peaks = []
-    for flat, split in walked if walked is not None else rank_actions(ops):
+    for flat, split in walked:
         live = peak = 0.0
         for kind, stage, mb in flat:
             if kind == "F":

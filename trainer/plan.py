@@ -118,7 +118,7 @@ class JobPlan:
         """Estimated peak bytes of saved activations on each pipeline rank when the job runs on ``device_type``
         devices (the compute dtype follows ``[training] mixed_precision_param``), or why there is no estimate
         (trainer.activation_memory)."""
-        from trainer.activation_memory import part_activations, rank_peaks
+        from trainer.activation_memory import part_activations, rank_actions, rank_peaks
 
         per_part = part_activations(self.spec, self.model_args, self.dims,
                                     self.compute_dtype(torch.device(device_type)).itemsize,
@@ -132,7 +132,8 @@ class JobPlan:
         if pipeline.traits.from_file:
             return "not modelled for CSV schedules"
         ops = schedule_ops(pipeline.schedule, pipeline.pp, self.n_microbatches, pipeline.stages_per_rank)
-        return rank_peaks(per_part, [len(s.blocks) for s in pipeline.stages], ops, self.microbatch_size * self.seq_len)
+        counts = [len(s.blocks) for s in pipeline.stages]
+        return rank_peaks(per_part, counts, rank_actions(ops), self.microbatch_size * self.seq_len)
 
     def loss_gradient_bytes(self) -> float:
         """What the loss's backward allocates beside the kept activations, on the rank that computes the loss, at
@@ -533,7 +534,7 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
         if not traits.from_file and not isinstance(per_part, str):
             if not walked:
                 walked.extend(rank_actions(schedule_ops(schedule, dims.pp, n_micro, len(counts) // dims.pp)))
-            acts = rank_peaks(per_part, counts, None, tokens, walked)
+            acts = rank_peaks(per_part, counts, walked, tokens)
         return [sum(stage_state[s] for s in placement[r]) * BYTES_PER_PARAM / split + acts[r] for r in range(dims.pp)]
 
     return rank_bytes

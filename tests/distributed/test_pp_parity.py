@@ -148,7 +148,7 @@ def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float 
     builds no mask: its estimate's stage term is the rotary table alone."""
     import dataclasses
 
-    from trainer.activation_memory import part_activations, rank_peaks
+    from trainer.activation_memory import part_activations, rank_actions, rank_peaks
     from trainer.plan import activation_sections
     from trainer.parallel.schedule_sim import schedule_ops
 
@@ -160,7 +160,7 @@ def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float 
         assert upper == pytest.approx(plan.activation_peaks("cpu"), rel=1e-12)
         _check_between(measured, lower, upper, nproc, 1, rel)
         return
-    ops = schedule_ops(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank)
+    ops = rank_actions(schedule_ops(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank))
     tokens = plan.config.parallelism.pipeline_parallel_microbatch_size * plan.config.training.seq_len
     if plan.config.activation_checkpoint.mode != "none":
         full = rank_peaks(parts, [len(s.blocks) for s in p.stages], ops, tokens)

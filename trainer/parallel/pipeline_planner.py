@@ -94,31 +94,32 @@ class Simulator:
     def stage_load(self, table: list[list[float]], stage: int) -> float:
         return sum(self.counts[k][stage] * table[k][stage] for k in range(len(KINDS)))
 
-    def load_of(self, stage: int, start: int, end: int) -> float:
-        """``stage_load`` of ``stage`` holding blocks ``start`` to ``end`` - 1, from running sums (equal to it up to
-        rounding): what the branch and bound prices a partial split with, without building its table."""
+    def _values(self, stage: int, start: int, end: int) -> list[float]:
+        """``stage_table``'s column for ``stage`` holding blocks ``start`` to ``end`` - 1 (kinds in KINDS order), from
+        running sums: equal to it up to rounding, without building the table."""
         parts, over, last = self.costs.parts, self.costs.overhead, self.program.num_stages - 1
-        values = []
-        for k, kind in enumerate(KINDS):
-            values.append(over[kind] + self._sums[k][end] - self._sums[k][start]
-                          + (parts[kind][0] if stage == 0 else 0.0) + (parts[kind][-1] if stage == last else 0.0))
+        values = [over[kind] + self._sums[k][end] - self._sums[k][start] + (parts[kind][0] if stage == 0 else 0.0)
+                  + (parts[kind][-1] if stage == last else 0.0) for k, kind in enumerate(KINDS)]
         if stage == 0:  # as stage_table: the first stage's whole backward runs as its W, its I computes nothing
             values[KINDS.index("W")], values[KINDS.index("I")] = values[KINDS.index("B")], 0.0
-        return sum(self.counts[k][stage] * v for k, v in enumerate(values))
+        return values
+
+    def load_of(self, stage: int, start: int, end: int) -> float:
+        """``stage_load`` of ``stage`` holding blocks ``start`` to ``end`` - 1: what the branch and bound prices a
+        partial split with."""
+        return sum(self.counts[k][stage] * v for k, v in enumerate(self._values(stage, start, end)))
 
     def bound(self, counts: tuple[int, ...]) -> float:
         """A step no split of ``counts`` can beat, without a replay: for each rank, one microbatch's forward through
         the stages below its first (no action of the rank can start before that: each needs a forward of its own
         stage, which needs the forwards below) plus the rank's busy time. Paced (k >= 0) both only grow; for a pace
         below 0 the busy time alone (the module's note)."""
-        owner, over, send, f = self.owner, self.costs.overhead["F"], self.costs.send, KINDS.index("F")
-        pre, post, last = self.costs.parts["F"][0], self.costs.parts["F"][-1], len(counts) - 1
+        owner, send, f, last = self.owner, self.costs.send, KINDS.index("F"), len(counts) - 1
         loads, reach, start = [0.0] * len(self.stage_ids), [0.0], 0
         for s, c in enumerate(counts):
-            loads[owner[s]] += self.load_of(s, start, start + c)
-            forward = (over + self._sums[f][start + c] - self._sums[f][start] + (pre if s == 0 else 0.0)
-                       + (post if s == last else 0.0))
-            reach.append(reach[-1] + forward + (send if s < last and owner[s] != owner[s + 1] else 0.0))
+            values = self._values(s, start, start + c)
+            loads[owner[s]] += sum(self.counts[k][s] * v for k, v in enumerate(values))
+            reach.append(reach[-1] + values[f] + (send if s < last and owner[s] != owner[s + 1] else 0.0))
             start += c
         if self.costs.pace < 0:
             return max(loads)
