@@ -8,6 +8,7 @@ Two front-ends cut the model (``[parallelism] pipeline_parallel_frontend``):
 Either way parameter names are those of the whole model.
 """
 
+import functools
 import logging
 import os
 import tempfile
@@ -95,20 +96,29 @@ def trace_pipeline(model: nn.Module, plan: PipelinePlan, example: torch.Tensor):
     return pipe
 
 
+@functools.cache
+def _warm_up_other_ranks_only(base: type) -> type:
+    """``base`` (a torch stage class) whose first-step link warm-up leaves out the neighbour stages on this very rank
+    (V placement: stages 1 and 2 on rank 1). gloo cannot send to its own rank, and such stages hand over in memory.
+    torch 2.11 warms up every stage this way; torch 2.13 still does for traced stages, while its PipelineStage
+    takes a path of its own (a vote over the neighbours) that never calls this."""
+
+    class Stage(base):
+        def _get_init_p2p_neighbors_ops(self) -> list:
+            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
+
+    Stage.__name__ = Stage.__qualname__ = base.__name__
+    return Stage
+
+
 def traced_stages(pipe, stage_ids: list[int], *, pp_mesh: DeviceMesh, device: torch.device) -> list:
     """torch's traced stages for this rank's stage ids (their submodules parallelised in place before)."""
     from torch.distributed.pipelining.stage import _PipelineStage
 
-    class TracedStage(_PipelineStage):
-        def _get_init_p2p_neighbors_ops(self) -> list:
-            # torch (2.13) warms up a link to each neighbour stage, also one on this very rank (V placement:
-            # stages 1 and 2 on rank 1), which gloo cannot send to; those stages hand over in memory anyway.
-            return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
-
     stages = []
     for sid in stage_ids:
         stage = pipe.build_stage(sid, device, pp_mesh.get_group())
-        stage.__class__ = TracedStage  # build_stage also rewrites device constants of the traced graph
+        stage.__class__ = _warm_up_other_ranks_only(_PipelineStage)  # build_stage also rewrites the graph's device
         stages.append(stage)
     # The stages keep the split graph (pipe_info), which holds every stage's submodule: drop the
     # other ranks' stages so their (whole-model, CPU) tensors are freed.
@@ -129,8 +139,9 @@ def manual_stages(plan: PipelinePlan, chunks: list[nn.Module], stage_ids: list[i
         # example_args: (inputs, outputs) of stage sid, so that torch skips its metadata inference (a real
         # forward and backward per stage at the first step, which collectives inside the stages cannot join).
         inputs, outputs = example_args(sid) if example_args is not None else (None, None)
-        stages.append(PipelineStage(chunk, stage_index=sid, num_stages=plan.num_stages, device=device,
-                                    group=pp_mesh.get_group(), input_args=inputs, output_args=outputs))
+        stages.append(_warm_up_other_ranks_only(PipelineStage)(
+            chunk, stage_index=sid, num_stages=plan.num_stages, device=device, group=pp_mesh.get_group(),
+            input_args=inputs, output_args=outputs))
     return stages
 
 
