@@ -182,6 +182,21 @@ def test_the_descent_skips_only_splits_that_cannot_be_kept(monkeypatch):
         monkeypatch.setattr(Simulator, "bound", lambda self, counts: 0.0)
         replayed = search_splits(sim, enumerate_up_to=0)
         assert [(p.counts, p.makespan) for p in pruned.best] == [(p.counts, p.makespan) for p in replayed.best]
+    # Many microbatches, where the bound is near the step: seeded with the best split, the moves from it are above it
+    # by their bound, yet they are the next best until four are kept (a skip against the descent's split alone
+    # drops them)
+    for schedule, pp, per_rank, name in [("1F1B", 3, 1, "tight-1F1B-1"), ("Interleaved1F1B", 2, 2, "tight-I-0")]:
+        sim = Simulator(random_costs(random.Random(name), 9), program_for(schedule, pp, 16, per_rank))
+        n, stages = sim.costs.num_blocks, sim.program.num_stages
+        best = min((tuple(b - a for a, b in zip((0, *cuts), (*cuts, n))) for cuts in
+                    itertools.combinations(range(1, n), stages - 1)), key=lambda c: sim.predict(c).makespan)
+        monkeypatch.undo()
+        monkeypatch.setattr(planner, "_branch_and_bound", lambda *args: 0.0)
+        pruned = search_splits(sim, seed=best, enumerate_up_to=0)
+        assert sum(sim.bound(p.counts) > pruned.best[0].makespan for p in pruned.best[1:]) >= 2
+        monkeypatch.setattr(Simulator, "bound", lambda self, counts: 0.0)
+        replayed = search_splits(sim, seed=best, enumerate_up_to=0)
+        assert [(p.counts, p.makespan) for p in pruned.best] == [(p.counts, p.makespan) for p in replayed.best]
 
 
 def test_the_branch_and_bound_stops_at_its_node_budget_with_a_valid_bound(monkeypatch):
