@@ -16,6 +16,7 @@ from trainer.errors import ConfigError
 from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, flop_costs
 from trainer.parallel import pipeline_planner as planner
 from trainer.parallel.pipeline_planner import Simulator, search_splits
+from trainer.parallel import schedule_sim
 from trainer.parallel.schedule_sim import program_for
 from trainer.plan import JobPlan, split_memory
 
@@ -151,6 +152,71 @@ def test_the_bound_without_a_replay_holds_for_every_split(schedule, pp, per_rank
         assert above_busiest[0.0] > 0 and above_busiest[0.4] > 0, above_busiest
 
 
+@pytest.mark.parametrize("schedule,pp,per_rank,m", CASES)
+def test_a_critical_path_is_a_chain_of_the_program_as_long_as_the_step(schedule, pp, per_rank, m):
+    """Each action of the chain follows the one before it on its rank or is one of its inputs (a transfer when that
+    input ran on another rank), the first starts at 0, and the chain's durations and transfers add up to the step."""
+    rng = random.Random(f"{schedule}-{pp}-{per_rank}-chain")
+    program = program_for(schedule, pp, m, per_rank)
+    position = {a: (r, i) for r, ids in enumerate(program.order) for i, a in enumerate(ids)}
+    for send in (0.0, 0.3):
+        table = [[rng.uniform(0.1, 2.0) for _ in range(program.num_stages)] for _ in KINDS]
+        spans = []
+        makespan, _ = schedule_sim.replay(program, table, send, spans)
+        path, transfers = schedule_sim.critical_path(program, spans, send)
+        begin = {(kind, stage, mb): start for _, kind, stage, mb, start, _ in spans}
+        assert begin[program.actions[path[0]]] == 0.0
+        crossed = 0
+        for before, after in zip(path, path[1:]):
+            inputs = dict(program.deps[after])
+            (r0, i0), (r1, i1) = position[before], position[after]
+            assert before in inputs or (r0 == r1 and i1 == i0 + 1), (program.actions[before], program.actions[after])
+            crossed += before in inputs and inputs[before]
+        assert transfers == crossed
+        length = sum(table[KINDS.index(program.actions[a][0])][program.actions[a][1]] for a in path) + send * crossed
+        assert length == pytest.approx(makespan, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule,pp,per_rank,m", CASES)
+def test_the_relaxed_bound_holds_for_every_split(schedule, pp, per_rank, m):
+    """Simulator.relaxed_bound is never above the best split's step: unequal blocks (priced at the least of them),
+    equal ones (where it is near the step: the first stage's input gradient, free, must stay free), transfers, and
+    a pace k = 0.4 (paced steps only add); for k < 0 there is none."""
+    rng = random.Random(f"{schedule}-{pp}-{per_rank}-relaxed")
+    program, n = program_for(schedule, pp, m, per_rank), pp * per_rank + 3
+    for k, send, equal in ((0.0, 0.0, False), (0.0, 0.3, False), (0.4, 0.3, False), (0.0, 0.3, True)):
+        costs = random_costs(rng, n, send=send)
+        if equal:
+            costs = replace(costs, parts={kind: (v[0], *[v[1]] * n, v[-1]) for kind, v in costs.parts.items()})
+        sim = Simulator(replace(costs, pace=k), program)
+        assert sim.relaxed_bound() <= brute_force(sim)[0] * (1 + 1e-9)
+    assert Simulator(replace(costs, pace=-0.4), program).relaxed_bound() is None
+
+
+@pytest.mark.parametrize("schedule,m,send", [("1F1B", 4, 0.3), ("GPipe", 3, 0.3), ("1F1B", 8, 0.0)])
+def test_the_relaxed_bound_is_the_least_step_of_any_fractional_split_of_equal_blocks(schedule, m, send):
+    """With equal blocks a stage of x blocks costs its empty cost plus x blocks' for any real x: the bound is the
+    least such step over the fractional splits, within its 0.1% tolerance. Two stages, found here by a grid over
+    the first stage's x in steps of h = 1/1000 block: moving h changes each action of the two stages by at most h
+    blocks' cost, so the grid's least is above the true least by at most h x the stages' per-block work."""
+    rng = random.Random(f"{schedule}-{m}-equal")
+    program, n = program_for(schedule, 2, m, 1), 7
+    costs = random_costs(rng, n, send=send)
+    costs = replace(costs, parts={kind: (v[0], *[v[1]] * n, v[-1]) for kind, v in costs.parts.items()})
+    sim = Simulator(costs, program)
+    empty, one = costs.stage_table([0, 0]), costs.stage_table([1, 1])
+    per_block = [[a - b for a, b in zip(row, empty_row)] for row, empty_row in zip(one, empty)]
+
+    def step(x: float) -> float:
+        table = [[e[s] + (x if s == 0 else n - x) * b[s] for s in range(2)] for e, b in zip(empty, per_block)]
+        return schedule_sim.replay(program, table, costs.send)[0]
+
+    least = min(step(1 + i / 1000) for i in range((n - 2) * 1000 + 1))
+    slack = sum(sim.counts[k][s] * per_block[k][s] for k in range(len(KINDS)) for s in range(2)) / 1000
+    bound = sim.relaxed_bound()
+    assert least * (1 - 1e-3) - slack <= bound <= least * (1 + 1e-9), (bound, least, slack)
+
+
 def test_the_descent_skips_only_splits_that_cannot_be_kept(monkeypatch):
     """Moves whose bound is above both the four kept splits and the descent's current split are not replayed: each
     descent from a seed stops where it stops without the bound, the same four splits are kept, in fewer replays
@@ -214,6 +280,12 @@ def test_the_branch_and_bound_stops_at_its_node_budget_with_a_valid_bound(monkey
     assert not default.exact and default.visited == 64  # with the descents' replays added it visits more
     assert every[0] <= found.best[0].makespan and found.lower_bound <= every[0] * (1 + 1e-12)
     assert any(m == pytest.approx(found.best[0].makespan, rel=1e-12) for m in every)  # a real split's step
+    # With equal blocks the bound stated is the relaxation's, above the average rank's least work
+    parts = {kind: (v[0], *[v[1]] * 20, v[-1]) for kind, v in sim.costs.parts.items()}
+    sim = Simulator(replace(sim.costs, parts=parts), sim.program)
+    found = search_splits(sim, budget=60, enumerate_up_to=0)
+    assert not found.exact and found.lower_bound == min(sim.relaxed_bound(), found.best[0].makespan)
+    assert found.lower_bound > sim.least_work() / 2
 
 
 def test_the_search_moves_a_block_between_a_ranks_two_v_stages():

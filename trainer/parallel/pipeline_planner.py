@@ -18,8 +18,9 @@ holds for the priced loads when a rank's pace follows its wait too (``PartCosts.
 priced load L and the step M, with b <= M. For k >= 0 its pace is at least 1, so M >= b >= L. For
 k < 0, b = L (1 + k) / (1 + k L / M), and M < L would give 1 + k L / M < 1 + k, so b > L > M. If the
 budget runs out first (splits replayed, or partial splits visited), the result is still a valid split and the
-search states a lower bound on the optimum (the smallest bound of the parts it did not explore, at least the
-average rank's least work, ``Simulator.least_work``), so the gap is known.
+search states a lower bound on the optimum, so the gap is known: the largest of the smallest bound of the parts it
+did not explore, the average rank's least work (``Simulator.least_work``), and the step of the best fractional
+split (``Simulator.relaxed_bound``: a replay's step is its longest chain of actions, a line in the stages' sizes).
 """
 
 import heapq
@@ -29,8 +30,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from trainer.parallel.pipeline_cost import KINDS, PartCosts
-from trainer.parallel.schedule_sim import Program, replay, replay_paced
+from trainer.parallel.schedule_sim import Program, critical_path, replay, replay_paced
 
 # Action-replays (actions x candidates) of the whole search when it lists every split, else of its branch and bound.
 REPLAY_BUDGET = 2_000_000
@@ -43,6 +46,9 @@ DESCENT_REPLAYS = 20_000_000
 # Partial splits the branch and bound may visit per replay in its budget (a visit prices its children's stage loads
 # from running sums, no replay).
 NODES_PER_REPLAY = 100
+# Replays of the split's continuous relaxation at most (Simulator.relaxed_bound): 19-174 settled it within 0.1%
+# for 8B and 70B at pp 4-16 (benchmarks/bench_planner_search.py).
+RELAXATION_ROUNDS = 300
 # Replays of a paced prediction, a typical count (schedule_sim.replay_paced's rounds and the last one).
 PACED_REPLAYS = 12
 
@@ -139,6 +145,48 @@ class Simulator:
         tail = list(itertools.accumulate(reversed(later), initial=0.0))[::-1]  # tail[c]: blocks c .. n - 1
         return sum(empty[1:]) + min(self.load_of(0, 0, c) + tail[c] for c in range(1, n - stages + 2))
 
+    def relaxed_bound(self, rounds: int = RELAXATION_ROUNDS, tolerance: float = 1e-3) -> float | None:
+        """A step no split can beat, from the split's continuous relaxation: stage s holds x_s >= 1 blocks (any real
+        number, summing to the blocks), each action costing what its stage costs empty plus x_s times the least a
+        block costs in that kind. A replay's step is its longest chain of actions (``schedule_sim.critical_path``):
+        each chain found is a line under the step at every x, and no split's step is below the best mix of those
+        lines at its lowest corner of the x simplex (every block costs at least the least; a paced step, k >= 0, only
+        adds). The chains come from Kelley's cutting planes: replay at the x where the mix so far is lowest, until
+        the step found there is within ``tolerance`` of the bound, or ``rounds`` replays. Exact for equal blocks, but
+        for a split's whole blocks. None for a pace below 0."""
+        if self.costs.pace < 0:
+            return None
+        n, stages, kinds = self.costs.num_blocks, self.program.num_stages, range(len(KINDS))
+        empty = [self._values(s, 0, 0) for s in range(stages)]
+        least = [min(self._sums[k][b + 1] - self._sums[k][b] for b in range(n)) for k in kinds]
+        per_block = [list(least) for _ in range(stages)]
+        per_block[0][KINDS.index("W")], per_block[0][KINDS.index("I")] = least[KINDS.index("B")], 0.0  # _values
+        actions, send = self.program.actions, self.costs.send
+        kind_of = [KINDS.index(kind) for kind, _, _ in actions]
+        x, levels, slopes, lower, upper = [n / stages] * stages, [], [], -math.inf, math.inf
+        for _ in range(rounds):
+            table = [[empty[s][k] + per_block[s][k] * x[s] for s in range(stages)] for k in kinds]
+            spans: list = []
+            upper = min(upper, replay(self.program, table, send, spans)[0])
+            path, transfers = critical_path(self.program, spans, send)
+            level, slope = transfers * send, [0.0] * stages
+            for a in path:
+                stage, k = actions[a][1], kind_of[a]
+                level += empty[stage][k]
+                slope[stage] += per_block[stage][k]
+            levels.append(level)
+            slopes.append(slope)
+            # Each chain's line at each corner (x_s = n - stages + 1, the others 1): a mix of chains is a bound
+            # at its lowest corner, whatever the mix; the game's mix makes it the highest.
+            lines = np.array(slopes)
+            corners = np.array(levels)[:, None] + lines.sum(1, keepdims=True) + (n - stages) * lines
+            mix, where = _solve_game(corners)
+            lower = max(lower, float((mix @ corners).min()))
+            if upper - lower <= tolerance * upper:
+                break
+            x = list(1.0 + (n - stages) * where)
+        return lower
+
     @property
     def replays(self) -> int:
         """Replays of the schedule per predicted split, about (a paced one's rounds: PACED_REPLAYS)."""
@@ -229,7 +277,7 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
         budget += state["evaluated"]
     lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, nodes, state)
     if lower is not None:  # some rank works at least the average: the step is at least the least average
-        lower = max(lower, sim.least_work() / len(sim.stage_ids))
+        lower = max(lower, sim.least_work() / len(sim.stage_ids), sim.relaxed_bound() or 0.0)
     return _result(kept, total, state, exact=lower is None, lower=lower)
 
 
@@ -290,6 +338,43 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
         placed += c
     counts[-1] += n - placed
     return tuple(counts)
+
+
+def _solve_game(payoff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row mix, column mix) of the zero-sum game in which rows choose to raise ``payoff`` and columns to lower it,
+    by the simplex method on max sum(z) for payoff' z <= 1, z >= 0 (payoff' = payoff shifted above 0; Bland's
+    rule). The row mix comes from the final tableau's prices; a caller scores it on ``payoff`` itself, so any mix
+    it returns gives a true bound."""
+    rows, cols = payoff.shape
+    table = np.zeros((rows + 1, cols + rows + 1))
+    table[:rows, :cols] = payoff - payoff.min() + 1.0
+    table[:rows, cols:cols + rows] = np.eye(rows)
+    table[:rows, -1] = 1.0
+    table[rows, :cols] = -1.0
+    basis = list(range(cols, cols + rows))
+    for _ in range(50 * (rows + cols)):
+        entering = np.flatnonzero(table[rows, :-1] < -1e-12)
+        if not entering.size:
+            break
+        e = int(entering[0])
+        column = table[:rows, e]
+        ratios = np.where(column > 1e-12, table[:rows, -1] / np.where(column > 1e-12, column, 1.0), np.inf)
+        if not np.isfinite(ratios.min()):
+            break  # unbounded: not for a payoff above 0
+        ties = np.flatnonzero(ratios <= ratios.min() + 1e-12 * max(1.0, abs(ratios.min())))
+        r = int(min(ties, key=lambda i: basis[i]))
+        table[r] /= table[r, e]
+        pivot = table[r].copy()
+        table -= np.outer(table[:, e], pivot)
+        table[r] = pivot
+        basis[r] = e
+    prices = np.maximum(table[rows, cols:cols + rows], 0.0)
+    z = np.zeros(cols)
+    for i, b in enumerate(basis):
+        if b < cols:
+            z[b] = max(table[i, -1], 0.0)
+    mix = prices / prices.sum() if prices.sum() > 0 else np.full(rows, 1.0 / rows)
+    return mix, (z / z.sum() if z.sum() > 0 else np.full(cols, 1.0 / cols))
 
 
 def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=None) -> Prediction | None:

@@ -278,6 +278,36 @@ def replay_paced(program: Program, table: list[list[float]], send: float, pace: 
     return replay(program, [[v * factor[owner[s]] for s, v in enumerate(row)] for row in table], send, spans)
 
 
+def critical_path(program: Program, spans: list, send: float = 0.0) -> tuple[list[int], int]:
+    """(action ids, transfers): a chain of actions that decides the step of a ``replay`` that wrote ``spans`` with
+    ``send``, first to last, and how many transfers between ranks lie on it. Each action follows the one that let
+    it start: its rank's previous action, or an input (plus ``send`` from another rank). The chain is a path of the
+    program whatever the costs, so its length under any costs is at most that replay's step under them."""
+    ids = {a: i for i, a in enumerate(program.actions)}
+    done, rank_before = {}, {}
+    previous: dict[int, int] = {}
+    for r, kind, stage, mb, begin, end in spans:
+        a = ids[(kind, stage, mb)]
+        done[a] = end
+        if r in previous:
+            rank_before[a] = previous[r]
+        previous[r] = a
+    begins = {ids[(kind, stage, mb)]: begin for _, kind, stage, mb, begin, _ in spans}
+    a = max(done, key=done.__getitem__)
+    path, transfers = [a], 0
+    while begins[a] > 0.0:
+        inputs = [(d, cross) for d, cross in program.deps[a] if done[d] + (send if cross else 0.0) == begins[a]]
+        if inputs:
+            a, cross = inputs[0]
+            transfers += cross
+        elif a in rank_before and done[rank_before[a]] == begins[a]:
+            a = rank_before[a]
+        else:  # not reached: replay starts an action at one of these times
+            break
+        path.append(a)
+    return path[::-1], transfers
+
+
 def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
     """(makespan, busy time summed over ranks) running each rank's torch actions in order (see ``_run``)."""
     return _run([[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops], num_stages)
