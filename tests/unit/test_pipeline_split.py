@@ -494,9 +494,10 @@ print(mine() is not None, other() is not None)
 """
 
 
-def test_a_traced_rank_keeps_only_its_own_stages(tmp_path):
-    """The whole model is initialised on CPU for tracing; after the stages are built, another stage's tensors
-    are freed (the split graph held every stage's submodule) and this rank's stay."""
+def run_one_rank(script: str) -> str:
+    """The stdout of ``script`` run as a one-rank job in a process of its own (its first argument: a free port), with
+    this checkout's trainer."""
+    import os
     import socket
     import subprocess
     import sys
@@ -506,10 +507,16 @@ def test_a_traced_rank_keeps_only_its_own_stages(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", TRACED_MEMORY, str(port)], cwd=repo, capture_output=True, text=True,
-                          env={**__import__("os").environ, "PYTHONPATH": str(repo)}, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script, str(port)], cwd=repo, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-2:] == ["True", "False"]
+    return proc.stdout
+
+
+def test_a_traced_rank_keeps_only_its_own_stages():
+    """The whole model is initialised on CPU for tracing; after the stages are built, another stage's tensors
+    are freed (the split graph held every stage's submodule) and this rank's stay."""
+    assert run_one_rank(TRACED_MEMORY).split()[-2:] == ["True", "False"]
 
 
 OWN_RANK_WARM_UP = """
@@ -525,28 +532,20 @@ stages = manual_stages(plan, [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], [0,
                        pp_mesh=init_device_mesh("cpu", (1,)), device=torch.device("cpu"))
 kept = [op for s in stages for op in s._get_init_p2p_neighbors_ops()]
 torch_own = [op for s in stages for op in PipelineStage._get_init_p2p_neighbors_ops(s)]
-print(all(isinstance(s, PipelineStage) for s in stages), len(kept), len(torch_own))
+for s in stages:  # as if stage 1 were on rank 1: stage 0 keeps its two links to it (stage 1's go to its own rank 0)
+    s.stage_index_to_group_rank = {0: 0, 1: 1}
+other = [op.group_peer for s in stages for op in s._get_init_p2p_neighbors_ops()]
+print(all(isinstance(s, PipelineStage) for s in stages), len(kept), len(torch_own), other)
 """
 
 
-def test_manual_stages_warm_up_no_link_to_their_own_rank(tmp_path):
+def test_manual_stages_warm_up_no_link_to_their_own_rank():
     """torch 2.11 warms up a link to each neighbour stage at the first step, also where the neighbour is on the same
     rank (V placement: stages 1 and 2 on rank 1), and gloo cannot send to its own rank: every V schedule on CPU
     failed there (``Pair is not connected``). Two stages on one rank: torch's own warm-up lists a send and a receive
-    each way (4), the trainer's stages none; they stay PipelineStages (torch 2.13 warms those up its own way)."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "-c", OWN_RANK_WARM_UP, str(port)], cwd=repo, capture_output=True,
-                          text=True, env={**__import__("os").environ, "PYTHONPATH": str(repo)}, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-3:] == ["True", "0", "4"]
+    each way (4), the trainer's stages none; they stay PipelineStages (torch 2.13 warms those up its own way). A
+    neighbour on another rank keeps its links."""
+    assert run_one_rank(OWN_RANK_WARM_UP).split()[-5:] == ["True", "0", "4", "[1,", "1]"]
 
 
 def test_modules_that_change_in_evaluation_are_refused_by_the_tracer():

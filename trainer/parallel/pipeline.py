@@ -103,12 +103,11 @@ def _warm_up_other_ranks_only(base: type) -> type:
     torch 2.11 warms up every stage this way; torch 2.13 still does for traced stages, while its PipelineStage
     takes a path of its own (a vote over the neighbours) that never calls this."""
 
-    class Stage(base):
+    class WarmsUpOtherRanksOnly(base):
         def _get_init_p2p_neighbors_ops(self) -> list:
             return [op for op in super()._get_init_p2p_neighbors_ops() if op.group_peer != self.group_rank]
 
-    Stage.__name__ = Stage.__qualname__ = base.__name__
-    return Stage
+    return WarmsUpOtherRanksOnly
 
 
 def traced_stages(pipe, stage_ids: list[int], *, pp_mesh: DeviceMesh, device: torch.device) -> list:

@@ -40,8 +40,9 @@ REPLAY_BUDGET = 2_000_000
 # Action-replays that choose the pace run (most_unequal_split): its random draw where there are more splits.
 UNEQUAL_REPLAYS = 200_000
 # Action-replays of the descents from the seeds, by default (moves a bound rules out are not replayed). With the
-# branch and bound: 0.9-8.2 s a search for 8B and 70B at pp 4-16 on this project's CPU, planning alone (no memory
-# limit), and up to 8.2% faster splits than 200,000 in all (benchmarks/bench_planner_search.py).
+# branch and bound: 0.9-8.1 s a search for 8B and 70B at pp 4-16 on this project's CPU, planning alone (no memory
+# limit; the relaxation's bound up to 1.1 s more), and up to 8.2% faster splits than 200,000 in all
+# (benchmarks/bench_planner_search.py).
 DESCENT_REPLAYS = 20_000_000
 # Partial splits the branch and bound may visit per replay in its budget (a visit prices its children's stage loads
 # from running sums, no replay).
@@ -152,15 +153,18 @@ class Simulator:
         each chain found is a line under the step at every x, and no split's step is below the best mix of those
         lines at its lowest corner of the x simplex (every block costs at least the least; a paced step, k >= 0, only
         adds). The chains come from Kelley's cutting planes: replay at the x where the mix so far is lowest, until
-        the step found there is within ``tolerance`` of the bound, or ``rounds`` replays. Exact for equal blocks, but
-        for a split's whole blocks. None for a pace below 0."""
+        the step found there is within ``tolerance`` of the bound, or ``rounds`` replays (-inf for none). For equal
+        blocks it is the best fractional split's step (within ``tolerance``, unless the rounds run out), below the
+        best split's by what whole blocks cost. None for a pace below 0."""
         if self.costs.pace < 0:
             return None
         n, stages, kinds = self.costs.num_blocks, self.program.num_stages, range(len(KINDS))
         empty = [self._values(s, 0, 0) for s in range(stages)]
-        least = [min(self._sums[k][b + 1] - self._sums[k][b] for b in range(n)) for k in kinds]
-        per_block = [list(least) for _ in range(stages)]
-        per_block[0][KINDS.index("W")], per_block[0][KINDS.index("I")] = least[KINDS.index("B")], 0.0  # _values
+        # The least one block adds to each kind of each stage (the first stage's I and W as _values prices them)
+        per_block = []
+        for s in range(stages):
+            one = [self._values(s, b, b + 1) for b in range(n)]
+            per_block.append([min(v[k] for v in one) - empty[s][k] for k in kinds])
         actions, send = self.program.actions, self.costs.send
         kind_of = [KINDS.index(kind) for kind, _, _ in actions]
         x, levels, slopes, lower, upper = [n / stages] * stages, [], [], -math.inf, math.inf
@@ -277,7 +281,10 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
         budget += state["evaluated"]
     lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, nodes, state)
     if lower is not None:  # some rank works at least the average: the step is at least the least average
-        lower = max(lower, sim.least_work() / len(sim.stage_ids), sim.relaxed_bound() or 0.0)
+        # the relaxation's replays count against a given budget too (its rounds are one replay each)
+        rounds = max(budget - state["evaluated"], 0) * sim.replays if explicit else RELAXATION_ROUNDS
+        lower = max(lower, sim.least_work() / len(sim.stage_ids), sim.relaxed_bound(min(rounds, RELAXATION_ROUNDS))
+                    or 0.0)
     return _result(kept, total, state, exact=lower is None, lower=lower)
 
 
@@ -347,18 +354,19 @@ def _solve_game(payoff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     it returns gives a true bound."""
     rows, cols = payoff.shape
     table = np.zeros((rows + 1, cols + rows + 1))
-    table[:rows, :cols] = payoff - payoff.min() + 1.0
+    shifted = payoff - payoff.min() + 1.0
+    table[:rows, :cols] = shifted / shifted.max()  # in (0, 1]: the tolerances below are relative to the largest
     table[:rows, cols:cols + rows] = np.eye(rows)
     table[:rows, -1] = 1.0
     table[rows, :cols] = -1.0
     basis = list(range(cols, cols + rows))
     for _ in range(50 * (rows + cols)):
-        entering = np.flatnonzero(table[rows, :-1] < -1e-12)
+        entering = np.flatnonzero(table[rows, :-1] < -1e-9)
         if not entering.size:
             break
         e = int(entering[0])
         column = table[:rows, e]
-        ratios = np.where(column > 1e-12, table[:rows, -1] / np.where(column > 1e-12, column, 1.0), np.inf)
+        ratios = np.where(column > 1e-9, table[:rows, -1] / np.where(column > 1e-9, column, 1.0), np.inf)
         if not np.isfinite(ratios.min()):
             break  # unbounded: not for a payoff above 0
         ties = np.flatnonzero(ratios <= ratios.min() + 1e-12 * max(1.0, abs(ratios.min())))

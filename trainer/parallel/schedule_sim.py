@@ -284,15 +284,13 @@ def critical_path(program: Program, spans: list, send: float = 0.0) -> tuple[lis
     it start: its rank's previous action, or an input (plus ``send`` from another rank). The chain is a path of the
     program whatever the costs, so its length under any costs is at most that replay's step under them."""
     ids = {a: i for i, a in enumerate(program.actions)}
-    done, rank_before = {}, {}
-    previous: dict[int, int] = {}
+    begins, done, rank_before, previous = {}, {}, {}, {}
     for r, kind, stage, mb, begin, end in spans:
         a = ids[(kind, stage, mb)]
-        done[a] = end
+        begins[a], done[a] = begin, end
         if r in previous:
             rank_before[a] = previous[r]
         previous[r] = a
-    begins = {ids[(kind, stage, mb)]: begin for _, kind, stage, mb, begin, _ in spans}
     a = max(done, key=done.__getitem__)
     path, transfers = [a], 0
     while begins[a] > 0.0:
