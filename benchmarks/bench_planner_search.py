@@ -65,7 +65,7 @@ def search(sim: pipeline_planner.Simulator, scale: int | None,
     if scale is not None:
         pipeline_planner.REPLAY_BUDGET, pipeline_planner.DESCENT_REPLAYS = (scale * d for d in defaults)
     if not relaxed:
-        sim.relaxed_bound = lambda: None
+        sim.relaxed_bound = lambda *rounds: None
     try:
         start = time.perf_counter()
         found = pipeline_planner.search_splits(sim, budget=budget)

@@ -23,12 +23,13 @@ did not explore, the average rank's least work (``Simulator.least_work``), and t
 split (``Simulator.relaxed_bound``: a replay's step is its longest chain of actions, a line in the stages' sizes).
 """
 
+import functools
 import heapq
 import itertools
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,7 +42,7 @@ REPLAY_BUDGET = 2_000_000
 UNEQUAL_REPLAYS = 200_000
 # Action-replays of the descents from the seeds, by default (moves a bound rules out are not replayed). With the
 # branch and bound: 0.9-8.1 s a search for 8B and 70B at pp 4-16 on this project's CPU, planning alone (no memory
-# limit; the relaxation's bound up to 1.1 s more), and up to 8.2% faster splits than 200,000 in all
+# limit; the dry run's bound up to 1.1 s more), and up to 8.2% faster splits than 200,000 in all
 # (benchmarks/bench_planner_search.py).
 DESCENT_REPLAYS = 20_000_000
 # Partial splits the branch and bound may visit per replay in its budget (a visit prices its children's stage loads
@@ -75,12 +76,22 @@ class SplitSearch:
     """Contiguous splits of the blocks into the stages (each stage at least one block)."""
     evaluated: int
     exact: bool
-    lower_bound: float
-    """No split's makespan is below this (equal to the best one's when exact)."""
+    rank_bound: float
+    """No split's makespan is below this (equal to the best one's when exact): from the ranks' loads."""
     refused_for_memory: int
     """Splits evaluated and dropped because a rank would exceed the memory limit."""
     visited: int = 0
     """Partial splits the branch and bound priced (at most NODES_PER_REPLAY x the replay budget)."""
+    relaxation: Callable[[], float | None] | None = field(default=None, compare=False, repr=False)
+    """The split's continuous relaxation (``Simulator.relaxed_bound``) of an inexact search, not yet run."""
+
+    @functools.cached_property
+    def lower_bound(self) -> float:
+        """No split's makespan is below this: ``rank_bound`` raised by the relaxation. Run when first asked for: the
+        dry run states it, a launch never asks (up to 1.1 s of every rank's start-up for 70B at pp 16)."""
+        relaxed = self.relaxation() if self.relaxation is not None else None
+        bound = self.rank_bound if relaxed is None else max(self.rank_bound, relaxed)
+        return min(bound, self.best[0].makespan) if self.best else bound
 
 
 class Simulator:
@@ -280,12 +291,13 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     if not explicit:
         budget += state["evaluated"]
     lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, nodes, state)
+    relaxation = None
     if lower is not None:  # some rank works at least the average: the step is at least the least average
+        lower = max(lower, sim.least_work() / len(sim.stage_ids))
         # the relaxation's replays count against a given budget too (its rounds are one replay each)
         rounds = max(budget - state["evaluated"], 0) * sim.replays if explicit else RELAXATION_ROUNDS
-        lower = max(lower, sim.least_work() / len(sim.stage_ids), sim.relaxed_bound(min(rounds, RELAXATION_ROUNDS))
-                    or 0.0)
-    return _result(kept, total, state, exact=lower is None, lower=lower)
+        relaxation = functools.partial(sim.relaxed_bound, min(rounds, RELAXATION_ROUNDS))
+    return _result(kept, total, state, exact=lower is None, lower=lower, relaxation=relaxation)
 
 
 def most_unequal_split(sim: Simulator, cap: int | None = None,
@@ -450,9 +462,9 @@ def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, 
     return None if unexplored[0] == math.inf else unexplored[0]
 
 
-def _result(kept, total: int, state: dict, *, exact: bool, lower: float | None) -> SplitSearch:
+def _result(kept, total: int, state: dict, *, exact: bool, lower: float | None, relaxation=None) -> SplitSearch:
     best = tuple(p for *_, p in sorted(kept, key=lambda k: (-k[0], -k[1], k[2])))
     if best:
         lower = best[0].makespan if lower is None else min(lower, best[0].makespan)
     return SplitSearch(best, total, state["evaluated"], exact, lower if lower is not None else math.inf,
-                       state["refused"], state["visited"])
+                       state["refused"], state["visited"], relaxation)
