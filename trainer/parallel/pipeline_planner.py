@@ -361,9 +361,9 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
 
 def _solve_game(payoff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row mix, column mix) of the zero-sum game in which rows choose to raise ``payoff`` and columns to lower it,
-    by the simplex method on max sum(z) for payoff' z <= 1, z >= 0 (payoff' = payoff shifted above 0; Bland's
-    rule). The row mix comes from the final tableau's prices; a caller scores it on ``payoff`` itself, so any mix
-    it returns gives a true bound."""
+    by the simplex method on max sum(z) for payoff' z <= 1, z >= 0 (payoff' = payoff shifted above 0 and scaled into
+    (0, 1]; Bland's rule). The row mix comes from the final tableau's prices; a caller scores it on ``payoff``
+    itself, so any mix it returns gives a true bound."""
     rows, cols = payoff.shape
     table = np.zeros((rows + 1, cols + rows + 1))
     shifted = payoff - payoff.min() + 1.0

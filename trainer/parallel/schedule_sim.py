@@ -282,7 +282,7 @@ def critical_path(program: Program, spans: list, send: float = 0.0) -> tuple[lis
     """(action ids, transfers): a chain of actions that decides the step of a ``replay`` that wrote ``spans`` with
     ``send``, first to last, and how many transfers between ranks lie on it. Each action follows the one that let
     it start: its rank's previous action, or an input (plus ``send`` from another rank). The chain is a path of the
-    program whatever the costs, so its length under any costs is at most that replay's step under them."""
+    program whatever the costs, so under any costs its length is at most the step a replay with those costs gives."""
     ids = {a: i for i, a in enumerate(program.actions)}
     begins, done, rank_before, previous = {}, {}, {}, {}
     for r, kind, stage, mb, begin, end in spans:
