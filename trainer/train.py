@@ -21,8 +21,10 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from trainer.agreement import check_same_data, check_same_job
 from trainer.checkpoint import Checkpointer, GlobalBatch
 from trainer.config import JobConfig, to_toml
+from trainer.config.render import config_fingerprint
 from trainer.config.validate import output_folders
 from trainer.data.documents import model_inputs, on_device
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
@@ -159,6 +161,8 @@ def main(config: JobConfig, *, observer: StepObserver | None = None) -> TrainRes
     if world_size > 1:
         init_distributed(device, config.comm.init_timeout_seconds)
     try:
+        # before any mesh or stage: ranks that planned another job would wait on each other, or run a part of it
+        check_same_job(config_fingerprint(config), plan.pipeline.split_points() if plan.pipeline else None, device)
         trainer = build_trainer(plan, device, reporting)
         return train_loop(trainer, observer)
     finally:
@@ -193,7 +197,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
     if config.validation.enable:
         eval_loader, num_batches = build_eval_loader(config.validation, config.training, tokenizer, **data_args)
         evaluator = Evaluator(eval_loader, num_batches, config.validation.freq)
-    check_same_data(meshes, loader.fingerprint + (evaluator.loader.fingerprint if evaluator else ""))
+    check_same_data(device, loader.fingerprint + (evaluator.loader.fingerprint if evaluator else ""))
     parts = build_model_parts(plan, meshes, device)
     optimizers = ChunkOptimizers(list(parts.chunks), config.optimizer, config.lr_scheduler, config.training.steps)
     dtype = plan.compute_dtype(device)
@@ -257,25 +261,6 @@ def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program
         measured={"schedule": pipeline.schedule, "pp": pipeline.pp, "device": device.type,
                   "split_points": pipeline.split_points(), "n_microbatches": plan.n_microbatches},
         layers_attr=plan.spec.layers_attr)
-
-
-def check_same_data(meshes: Meshes, fingerprint: str) -> None:
-    """Every rank must have opened the same datasets with the same tokenizer (TP/PP/CP peers read the same
-    windows; data-parallel ranks read slices of one global order): compare a digest of what each opened."""
-    if meshes.world is None:
-        return
-    import hashlib
-
-    digest = int.from_bytes(hashlib.sha256(fingerprint.encode()).digest()[:7], "little")
-    mine = torch.tensor([digest], dtype=torch.long, device=meshes.world.device_type)
-    everyone = torch.empty(dist.get_world_size(), dtype=torch.long, device=mine.device)
-    # all_gather_single where torch has it (2.13 deprecates all_gather_into_tensor for it)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(everyone, mine)
-    differ = [r for r, d in enumerate(everyone.tolist()) if d != everyone[0].item()]
-    if differ:
-        raise UserError(f"[training] dataset: ranks {differ} opened other data or another tokenizer than rank 0"
-                        " (different files at the same path on different nodes?); every rank must see the same")
 
 
 def report_activation_peaks(run: Trainer, step: int, peak: int) -> list[int]:

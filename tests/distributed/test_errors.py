@@ -39,3 +39,25 @@ def test_ranks_that_opened_different_data_stop_with_one_line(tmp_path):
     assert proc.returncode == 2, output[-3000:]
     assert "error: [training] dataset: ranks [1] opened other data or another tokenizer than rank 0" in output
     assert "Traceback" not in output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault, extra, fragments", [
+    ("other_config_on_rank1", ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "4"],
+     ["error: [training] steps: ranks [1] have 5 where rank 0 has 3 (another config file or command line"]),
+    # 4 blocks over 2 stages: three splits; rank 1 keeps the second best, rank 0 the best
+    ("other_planner_on_rank1", ["--model.overrides.n_layers", "4", "--parallelism.pipeline_parallel_degree", "2"],
+     ["error: [parallelism] pipeline_parallel_split_points: ranks [1] planned the split [",
+      "] from the same config and files as rank 0", "pipeline_parallel_split_points = [\"layers."]),
+], ids=["config", "split"])
+def test_ranks_that_would_run_another_job_stop_with_one_line(tmp_path, fault, extra, fragments):
+    """The same-plan check at start (trainer/agreement.py): rank 1 loads another config, or plans another split
+    from the same config (tests/distributed/worker.py); both ranks stop before building anything."""
+    args = [str(WORKER), str(tmp_path / "out.json"), *PARITY, "--job.dump_folder", str(tmp_path / "dump"), *extra]
+    proc = torchrun(2, args, tmp_path, timeout=120, env={"PARITY_FAULT": fault})
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if "error: [" in line]
+    assert errors and all(f in line for line in errors for f in fragments), output[-3000:]
+    assert "Traceback" not in output
+    assert not (tmp_path / "dump" / "config.toml").exists(), "the check runs before the trainer is built"

@@ -57,6 +57,23 @@ def inject_fault(name: str) -> None:
             import trainer.data.loader as loader
 
             loader.WindowLoader.fingerprint = property(lambda self: "shards=something-else")
+    elif name == "other_config_on_rank1":  # as if rank 1's node held another config file
+        if os.environ.get("RANK") == "1":
+            real = globals()["load_config"]
+            globals()["load_config"] = lambda overrides: real(overrides=[*overrides, "--training.steps", "5"])
+    elif name == "other_planner_on_rank1":  # as if rank 1 ran another planner: it keeps the second-best split
+        if os.environ.get("RANK") == "1":
+            import dataclasses
+
+            import trainer.parallel.pipeline_split as split
+
+            real = split.search_splits
+
+            def second_best(*args, **kwargs):
+                search = real(*args, **kwargs)
+                return dataclasses.replace(search, best=search.best[1:] + search.best[:1])
+
+            split.search_splits = second_best
     elif name:
         raise ValueError(f"unknown PARITY_FAULT {name!r}")
 

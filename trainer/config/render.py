@@ -55,19 +55,50 @@ def default_text(spec: FieldSpec) -> str:
     return toml_value(spec.default)
 
 
-def to_toml(config: JobConfig) -> str:
-    """The whole resolved config as TOML; loading it back gives an equal config."""
-    lines = []
+def config_sections(config: JobConfig):
+    """Yield (section path, {key: value}) for every table of the resolved config, nested ones included, without
+    ``job.config_file`` (it names the file being loaded, not a setting); an unset optional's value is None."""
     for path, fields in walk_sections(JobConfig):
         section = config
         for name in path:
             section = getattr(section, name)
+        yield path, {name: getattr(section, name) for name in fields if path + (name,) not in _NOT_DUMPED}
+
+
+# Keys naming files the job plan reads (the tokenizer and datasets are compared once open: trainer.agreement).
+PLAN_FILE_KEYS = ("pipeline_parallel_cost_file", "pipeline_parallel_pace_files", "pipeline_parallel_schedule_csv")
+
+
+def config_fingerprint(config: JobConfig) -> dict[str, str]:
+    """What ranks compare at start (``trainer.agreement``), in the order a difference is reported: every key
+    (``[section] key``: its TOML value, ``unset`` for an unset optional), then the contents of each file the plan
+    reads (``[parallelism] <key> (contents of <path>)``: a digest; the same path may hold other files on other
+    nodes)."""
+    import hashlib
+
+    entries = {f"[{'.'.join(path)}] {name}": "unset" if value is None else toml_value(value)
+               for path, values in config_sections(config) for name, value in values.items()}
+    for key in PLAN_FILE_KEYS:
+        value = getattr(config.parallelism, key)
+        for name in [value] if isinstance(value, str) else value:
+            if not name:
+                continue
+            try:
+                with open(name, "rb") as f:
+                    digest = "sha256 " + hashlib.file_digest(f, "sha256").hexdigest()[:16]
+            except OSError as e:  # the plan read it moments ago; if it is gone now, that is what differs
+                digest = f"unreadable ({e.strerror or e})"
+            entries[f"[parallelism] {key} (contents of {name})"] = digest
+    return entries
+
+
+def to_toml(config: JobConfig) -> str:
+    """The whole resolved config as TOML; loading it back gives an equal config."""
+    lines = []
+    for path, values in config_sections(config):
         lines.append(f"[{'.'.join(path)}]")
-        for name, spec in fields.items():
-            value = getattr(section, name)
-            if path + (name,) in _NOT_DUMPED or value is None:
-                continue  # TOML has no null: an unset optional is written by leaving it out
-            lines.append(f"{name} = {toml_value(value)}")
+        # TOML has no null: an unset optional is written by leaving it out
+        lines += [f"{name} = {toml_value(value)}" for name, value in values.items() if value is not None]
         lines.append("")
     return "\n".join(lines)
 
