@@ -32,9 +32,11 @@ def run(argv: list[str]) -> int:
             if invocation.action == "print-config":
                 print(to_toml(invocation.config), end="")
             else:
-                from trainer.dry_run import describe_plan
+                from trainer.dry_run import compare_schedules, describe_plan
 
                 print(describe_plan(plan), end="")
+                if invocation.compare_schedules:
+                    print("\n" + "\n".join(compare_schedules(plan, plan.dims.world_size)))
             return 0
         from trainer.train import main
 

@@ -3,15 +3,19 @@
 ``python train.py --job.config_file configs/llama3_8b.toml --dry-run --world-size 64``
 """
 
+import dataclasses
+import logging
 from pathlib import Path
 
 import torch
 
+from trainer.config.schedules import SCHEDULES
 from trainer.config.validate import is_prepared_path, mix_entries
+from trainer.errors import ConfigError
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
 from trainer.parallel.pipeline_planner import Simulator, most_unequal_split, search_splits
 from trainer.parallel.schedule_sim import program_for, timeline
-from trainer.plan import JobPlan
+from trainer.plan import JobPlan, build_job_plan
 
 DEVICE = "cuda"  # the dry run plans for the job's accelerators: mixed_precision_param "auto" means bf16
 LAUNCH_BOUND_BLOCK_S = 2e-4
@@ -167,12 +171,81 @@ def _amount(value: float, unit: str) -> str:
     return f"{value:,.1f}"
 
 
+def _simulator(plan: JobPlan) -> Simulator:
+    pipeline = plan.pipeline
+    return Simulator(plan.pipeline_costs, program_for(pipeline.schedule, pipeline.pp, plan.n_microbatches,
+                                                      pipeline.stages_per_rank, plan.schedule_csv))
+
+
+def _rank_gib(plan: JobPlan) -> list[float] | None:
+    """Each pipeline rank's state + activations + loss gradient in GiB, the memory table's total (None where the
+    activations are not estimated)."""
+    activations = plan.activation_peaks(DEVICE)
+    if isinstance(activations, str):
+        return None
+    loss = plan.loss_gradient_bytes()
+    return [plan.state_gib_per_device(r) + (activations[r] + (loss if r == plan.loss_rank() else 0.0)) / 2**30
+            for r in range(plan.pipeline.pp)]
+
+
+def compare_schedules(plan: JobPlan, world_size: int) -> list[str]:
+    """``--compare-schedules``: the job planned again under every schedule of the table, each with the split the
+    planner chooses for it (split_mode makespan, the same part costs, memory limit and microbatches), against this
+    plan: predicted step, the most a rank waits, the most a rank holds in memory. A schedule this job cannot run
+    (too few microbatches or blocks, no split within the memory limit, ...) says why."""
+    p = plan.config.parallelism
+    here = plan.pipeline
+    step = _simulator(plan).predict(here.counts)
+    unit = plan.pipeline_costs.unit
+
+    def row(name: str, other: JobPlan, mark: str = "") -> tuple[float, list[str]]:
+        pred = _simulator(other).predict(other.pipeline.counts)
+        gib = _rank_gib(other)
+        return pred.makespan, [name + mark, str(other.pipeline.num_stages), _amount(pred.makespan, unit),
+                               _signed_percent(pred.makespan / step.makespan - 1),
+                               f"{100 * max(map(pred.bubble, range(other.pipeline.pp))):.1f}%",
+                               "-" if gib is None else f"{max(gib):.2f}"]
+
+    rows, refused = [row(here.schedule, plan, " (this plan)")], []
+    level = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # each plan's own warnings (a pipeline that never fills, ...) once is enough
+    try:
+        for name in SCHEDULES:
+            per_stage = ([p.pipeline_parallel_layers_per_stage, None] if p.pipeline_parallel_layers_per_stage
+                         else [None])
+            for layers in per_stage:  # the configured layers per stage where the schedule allows them
+                variant = dataclasses.replace(plan.config, parallelism=dataclasses.replace(
+                    p, pipeline_parallel_schedule=name, pipeline_parallel_schedule_csv="",
+                    pipeline_parallel_split_points=[], pipeline_parallel_split_mode="makespan",
+                    pipeline_parallel_layers_per_stage=layers))
+                try:
+                    other = build_job_plan(variant, world_size, check_memory=False)
+                except ConfigError as e:
+                    why = str(e)
+                    continue
+                if (name, other.pipeline.counts) != (here.schedule, here.counts):
+                    rows.append(row(name, other))
+                break
+            else:
+                refused.append(f"{name}: {why}")
+    finally:
+        logging.disable(level)
+    unit_name = "" if unit == "s" else " (units)"
+    limit = (f", no split over the memory limit of {p.pipeline_parallel_memory_limit_gib:g} GiB"
+             if p.pipeline_parallel_memory_limit_gib else "")
+    lines = [f"Schedules compared (--compare-schedules): each planned as its own job with split_mode makespan, the"
+             f" same part costs and {plan.n_microbatches} microbatches{limit}; fastest first"]
+    lines += _table(["schedule", "stages", f"predicted step{unit_name}", "vs this plan", "most idle rank",
+                     "most memory GiB"], [r for _, r in sorted(rows, key=lambda r: r[0])])
+    lines += [f"Cannot run here: {line}" for line in refused]
+    return lines
+
+
 def predicted_step(plan: JobPlan) -> list[str]:
     """Per pp rank compute, idle time and bubble of the planned split in the schedule's simulated step,
     how the split was chosen, and the next-best splits with their predicted cost."""
     pipeline, costs, p = plan.pipeline, plan.pipeline_costs, plan.config.parallelism
-    sim = Simulator(costs, program_for(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank,
-                                       p.pipeline_parallel_schedule_csv))
+    sim = _simulator(plan)
     chosen = sim.predict(pipeline.counts)
     unit = costs.unit
     units = "seconds" if unit == "s" else "units (1 = the mean block's forward of one microbatch)"

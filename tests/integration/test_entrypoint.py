@@ -178,6 +178,17 @@ def test_readme_dry_run_plans_8b_on_64_ranks(tmp_path):
         assert abs(float(bubble.rstrip("%")) - 100 * float(idle) / makespan) < 0.1, (rows, makespan)
 
 
+def test_dry_run_compares_schedules_when_asked(tmp_path):
+    args = [sys.executable, "train.py", "--dry-run", "--world-size", "2", "--parallelism.pipeline_parallel_degree",
+            "2", "--job.dump_folder", str(tmp_path)]
+    proc = launch(args + ["--compare-schedules"])
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("Schedules compared (--compare-schedules)"))
+    assert lines[head + 1].split()[:2] == ["schedule", "stages"] and "1F1B (this plan)" in proc.stdout
+    assert "Schedules compared" not in launch(args).stdout  # only when asked: it plans the job once per schedule
+
+
 def _free_port() -> int:
     import socket
 

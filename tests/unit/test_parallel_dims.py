@@ -26,7 +26,7 @@ def _raw(args):
     from trainer.config.loader import _build, parse_cli
     from trainer.config.schema import JobConfig
 
-    flat, _, _ = parse_cli(args)
+    flat, *_ = parse_cli(args)
     return _build(JobConfig, flat, ()).parallelism
 
 

@@ -892,3 +892,58 @@ def test_pace_files_price_every_split_with_the_pace_the_timed_runs_fit(tmp_path)
     with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_pace_files: .*other.json was measured"
                                           r" with seq_len 512"):
         load_plan(PP2_ZBV + cost + ["--parallelism.pipeline_parallel_pace_files", str(other)]).pipeline_costs
+
+
+def test_compare_schedules_plans_every_schedule_with_the_planners_split(tmp_path):
+    """--compare-schedules: each schedule of the table planned as its own job with split_mode makespan (not this
+    plan's given split points or mode), predicted with the same costs, against this plan's predicted step, fastest
+    first; a schedule the job cannot run says why, and configured layers per stage are kept where they fit."""
+    from trainer.config.schedules import SCHEDULES
+    from trainer.dry_run import _amount, _signed_percent, compare_schedules
+
+    def table(lines: list[str]) -> list[list[str]]:  # the rows' cells: name, stages, step, vs, idle, memory
+        start = next(i for i, line in enumerate(lines) if line.startswith("schedule ")) + 2
+        return [re.split(r"\s{2,}", line.strip()) for line in lines[start:] if not line.startswith("Cannot run")]
+
+    def step(p) -> float:
+        return Simulator(p.pipeline_costs, program_for(p.pipeline.schedule, 2, p.n_microbatches,
+                                                       p.pipeline.stages_per_rank)).predict(p.pipeline.counts).makespan
+
+    # a large vocabulary: the output part and the loss's gradient make the last rank of a loop placement the fuller
+    base = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "2", "--job.dump_folder",
+            str(tmp_path), "--model.overrides.vocab_size", "100000"]
+    given = ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--parallelism.pipeline_parallel_split_mode",
+             "flops", "--parallelism.pipeline_parallel_split_points", "layers.1,layers.2,layers.3"]
+    plan = load_plan(base + given)
+    lines = compare_schedules(plan, 2)
+    rows = {cells[0]: cells for cells in table(lines)}
+    this = step(plan)
+    assert rows["ZBVZeroBubble (this plan)"][2:4] == [_amount(this, "units"), "+0.0%"]
+    # 2 microbatches for 4 stages: DualPipeV refuses, naming why; every other schedule is planned
+    refused = [line for line in lines if line.startswith("Cannot run here")]
+    assert len(refused) == 1 and refused[0].startswith(
+        "Cannot run here: DualPipeV: [parallelism] pipeline_parallel_schedule=DualPipeV with 2 microbatches")
+    assert set(rows) == {"ZBVZeroBubble (this plan)"} | set(SCHEDULES) - {"DualPipeV"}
+    fuller_last = False
+    for name in set(SCHEDULES) - {"DualPipeV"}:
+        alone = load_plan(base + ["--parallelism.pipeline_parallel_schedule", name,
+                                  "--parallelism.pipeline_parallel_split_mode", "makespan"], check_memory=False)
+        assert rows[name][1:4] == [str(alone.pipeline.num_stages), _amount(step(alone), "units"),
+                                   _signed_percent(step(alone) / this - 1)], name
+        pred = Simulator(alone.pipeline_costs, program_for(name, 2, 2, alone.pipeline.stages_per_rank)).predict(
+            alone.pipeline.counts)
+        assert rows[name][4] == f"{100 * max(pred.bubble(0), pred.bubble(1)):.1f}%", name
+        # memory: the largest of the dry run's per-rank totals for that job
+        memory = [line.split()[-1] for line in describe_plan(alone).split("total GiB\n")[1].splitlines()[1:3]]
+        assert rows[name][5] == max(memory, key=float), name
+        fuller_last |= float(memory[1]) > float(memory[0])
+    assert fuller_last  # so the column is not rank 0's alone
+    steps = [float(cells[2]) for cells in table(lines)]
+    assert steps == sorted(steps) and step(plan) > min(steps)  # the given split is not the fastest here
+
+    # configured layers per stage: kept where the schedule allows them (1 a stage: 6 stages, 3 a rank), else the
+    # schedule's default (V: 2 stages a rank; 1F1B: 1)
+    per_stage = load_plan(base + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                  "--parallelism.pipeline_parallel_layers_per_stage", "1"])
+    stages = {cells[0]: cells[1] for cells in table(compare_schedules(per_stage, 2))}
+    assert stages["LoopedBFS"] == "6" and stages["ZBVZeroBubble"] == "4" and stages["1F1B"] == "2"

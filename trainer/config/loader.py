@@ -38,6 +38,8 @@ class Invocation:
     action: Action
     world_size: int | None = None
     """--world-size N (for --dry-run), if given."""
+    compare_schedules: bool = False
+    """--compare-schedules (for --dry-run): plan the pipeline under every schedule of the table too."""
 
 
 def key_name(path: tuple[str, ...]) -> str:
@@ -180,11 +182,14 @@ def _is_utf8(text: str) -> bool:
     return True
 
 
-def parse_cli(argv: list[str]) -> tuple[Flat, Action, int | None]:
-    """Parse overrides, action flags and --world-size; values come back typed and checked."""
+COMPARE_SCHEDULES = "--compare-schedules"
+
+
+def parse_cli(argv: list[str]) -> tuple[Flat, Action, int | None, bool]:
+    """Parse overrides, action flags, --world-size and --compare-schedules; values come back typed and checked."""
     flat: Flat = {}
     action: Action = "train"
-    world_size = None
+    world_size, compare = None, False
     for j, token in enumerate(argv):
         if not _is_utf8(token):
             where = argv[j - 1] if j and argv[j - 1].startswith("--") and "=" not in argv[j - 1] else token
@@ -202,6 +207,9 @@ def parse_cli(argv: list[str]) -> tuple[Flat, Action, int | None]:
             continue
         if token in _ACTION_FLAGS:
             action = _ACTION_FLAGS[token] if action == "train" else action
+            continue
+        if token == COMPARE_SCHEDULES:
+            compare = True
             continue
         if not token.startswith("--") or token == "--":
             raise ConfigError(f"unexpected argument {token!r}; options look like --section.key value")
@@ -236,7 +244,7 @@ def parse_cli(argv: list[str]) -> tuple[Flat, Action, int | None]:
         except ConfigError as e:
             raise ConfigError(f"{name}: {e} ({CLI})") from None
         flat[path] = (value, CLI)
-    return flat, action, world_size
+    return flat, action, world_size, compare
 
 
 def _build(cls: type, flat: Flat, prefix: tuple[str, ...]) -> Any:
@@ -283,12 +291,18 @@ def parse_args(argv: list[str]) -> Invocation:
 
     if "--help" in argv or "-h" in argv:  # help must work even when the rest is broken
         return Invocation(JobConfig(), "help")
-    cli, action, world_size = parse_cli(argv)
+    cli, action, world_size, compare = parse_cli(argv)
     if world_size is not None and action != "dry-run":
         raise ConfigError("--world-size: only used with --dry-run (a real run takes its world size from torchrun)")
+    if compare and action != "dry-run":
+        raise ConfigError(f"{COMPARE_SCHEDULES}: only used with --dry-run (it plans the pipeline under every schedule"
+                          " and prints the predictions)")
     config_file = cli.get(("job", "config_file"), ("", CLI))[0]
     flat: Flat = read_toml(config_file) if config_file else {}
     flat.update(cli)
     config = _build(JobConfig, flat, ())
     validate_config(config)
-    return Invocation(config, action, world_size)
+    if compare and config.parallelism.pipeline_parallel_degree == 1:
+        raise ConfigError(f"{COMPARE_SCHEDULES}: [parallelism] pipeline_parallel_degree is 1, so there is no pipeline"
+                          " schedule to compare; set it to 2 or more")
+    return Invocation(config, action, world_size, compare)

@@ -106,7 +106,7 @@ def to_toml(config: JobConfig) -> str:
 def help_text() -> str:
     lines = [
         "usage: train.py [--job.config_file FILE] [--section.key VALUE ...] [--print-config]"
-        " [--dry-run [--world-size N]]",
+        " [--dry-run [--world-size N] [--compare-schedules]]",
         "",
         "Settings come from the schema defaults, then the TOML file, then the command line.",
         "Forms: --section.key VALUE, --section.key=VALUE, --section.key / --section.no-key for booleans,",
@@ -116,6 +116,8 @@ def help_text() -> str:
         "  --print-config   print the resolved config as TOML and exit",
         "  --dry-run        print the parallel plan (mesh, stages, memory, bubble) without training",
         "  --world-size N   ranks to plan for with --dry-run (default: WORLD_SIZE, else the degrees' product)",
+        "  --compare-schedules  with --dry-run: the pipeline's predicted step under every schedule, each with its",
+        "                   planned split",
         "",
     ]
     for path, fields in walk_sections(JobConfig):
