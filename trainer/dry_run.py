@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from trainer.config.schedules import SCHEDULES
-from trainer.config.validate import is_prepared_path, mix_entries
+from trainer.config.validate import is_prepared_path, mix_entries, validate_config
 from trainer.errors import ConfigError
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
 from trainer.parallel.pipeline_planner import Simulator, most_unequal_split, search_splits
@@ -213,28 +213,32 @@ def compare_schedules(plan: JobPlan, world_size: int) -> list[str]:
         for name in SCHEDULES:
             per_stage = ([p.pipeline_parallel_layers_per_stage, None] if p.pipeline_parallel_layers_per_stage
                          else [None])
+            why = []
             for layers in per_stage:  # the configured layers per stage where the schedule allows them
                 variant = dataclasses.replace(plan.config, parallelism=dataclasses.replace(
                     p, pipeline_parallel_schedule=name, pipeline_parallel_schedule_csv="",
                     pipeline_parallel_split_points=[], pipeline_parallel_split_mode="makespan",
                     pipeline_parallel_layers_per_stage=layers))
                 try:
+                    validate_config(variant)  # the schedule's own rules (e.g. per-op checkpointing)
                     other = build_job_plan(variant, world_size, check_memory=False)
                 except ConfigError as e:
-                    why = str(e)
+                    why.append(str(e))
                     continue
                 if (name, other.pipeline.counts) != (here.schedule, here.counts):
                     rows.append(row(name, other))
                 break
             else:
-                refused.append(f"{name}: {why}")
+                refused.append(f"{name}: " + "; with the schedule's own stage count: ".join(why))
     finally:
         logging.disable(level)
     unit_name = "" if unit == "s" else " (units)"
-    limit = (f", no split over the memory limit of {p.pipeline_parallel_memory_limit_gib:g} GiB"
-             if p.pipeline_parallel_memory_limit_gib else "")
+    limit = (f", no split whose state + activations exceed the memory limit of"
+             f" {p.pipeline_parallel_memory_limit_gib:g} GiB" if p.pipeline_parallel_memory_limit_gib else "")
+    per_stage = (f", pipeline_parallel_layers_per_stage {p.pipeline_parallel_layers_per_stage} where the schedule"
+                 " allows it" if p.pipeline_parallel_layers_per_stage else "")
     lines = [f"Schedules compared (--compare-schedules): each planned as its own job with split_mode makespan, the"
-             f" same part costs and {plan.n_microbatches} microbatches{limit}; fastest first"]
+             f" same part costs and {plan.n_microbatches} microbatches{per_stage}{limit}; fastest first"]
     lines += _table(["schedule", "stages", f"predicted step{unit_name}", "vs this plan", "most idle rank",
                      "most memory GiB"], [r for _, r in sorted(rows, key=lambda r: r[0])])
     lines += [f"Cannot run here: {line}" for line in refused]

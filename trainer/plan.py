@@ -280,7 +280,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     if dims.pp > 1:
         n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
         device = device_type() if check_memory else DRY_RUN_DEVICE
-        limit = p.pipeline_parallel_memory_limit_gib * 2**30 or (device_memory_bytes() if check_memory else None)
+        limit = split_memory_limit(p, check_memory)
         pipeline = build_pipeline_plan(
             p, whole, layout, seq_len=t.seq_len,
             n_microbatches=n_micro, costs=lambda: pipeline_costs(config, spec, args, whole, dims, device),
@@ -326,6 +326,12 @@ def degrees_product(config: JobConfig) -> int:
     p = config.parallelism
     return (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1) * p.context_parallel_degree
             * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+
+
+def split_memory_limit(parallelism, this_device: bool = True) -> float | None:
+    """Bytes each pipeline rank may hold in the split search: ``pipeline_parallel_memory_limit_gib``, else (0) this
+    machine's device memory (``this_device``; none for a dry run, which plans for other machines)."""
+    return parallelism.pipeline_parallel_memory_limit_gib * 2**30 or (device_memory_bytes() if this_device else None)
 
 
 def device_memory_bytes() -> int:

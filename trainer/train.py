@@ -21,7 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from trainer.agreement import check_same_data, check_same_job
+from trainer.agreement import MEMORY_ENTRY, check_same_data, check_same_job
 from trainer.checkpoint import Checkpointer, GlobalBatch
 from trainer.config import JobConfig, to_toml
 from trainer.config.render import config_fingerprint
@@ -41,7 +41,7 @@ from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
 from trainer.parallel.pipeline import run_schedule, schedule_stages, wrap_schedule_loss
 from trainer.parallel.schedule_sim import Program, program_for
-from trainer.plan import JobPlan, build_job_plan
+from trainer.plan import JobPlan, build_job_plan, split_memory_limit
 from trainer.profiling import PipelineTimeline, SavedActivationMeter, StepProfiler
 from trainer.watchdog import Watchdog
 
@@ -162,7 +162,10 @@ def main(config: JobConfig, *, observer: StepObserver | None = None) -> TrainRes
         init_distributed(device, config.comm.init_timeout_seconds)
     try:
         # before any mesh or stage: ranks that planned another job would wait on each other, or run a part of it
-        check_same_job(config_fingerprint(config), plan.pipeline.split_points() if plan.pipeline else None, device)
+        limit = split_memory_limit(config.parallelism) if plan.pipeline and not (
+            config.parallelism.pipeline_parallel_memory_limit_gib) else None
+        check_same_job(config_fingerprint(config), plan.pipeline.split_points() if plan.pipeline else None, device,
+                       {MEMORY_ENTRY: f"{limit / 2**30:.2f} GiB"} if limit else None)
         trainer = build_trainer(plan, device, reporting)
         return train_loop(trainer, observer)
     finally:

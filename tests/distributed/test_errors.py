@@ -49,7 +49,11 @@ def test_ranks_that_opened_different_data_stop_with_one_line(tmp_path):
     ("other_planner_on_rank1", ["--model.overrides.n_layers", "4", "--parallelism.pipeline_parallel_degree", "2"],
      ["error: [parallelism] pipeline_parallel_split_points: ranks [1] planned the split [",
       "] from the same config and files as rank 0", "pipeline_parallel_split_points = [\"layers."]),
-], ids=["config", "split"])
+    # the same, rank 1 searching within half the memory (pipeline_parallel_memory_limit_gib 0: each rank's device)
+    ("smaller_device_on_rank1", ["--model.overrides.n_layers", "4", "--parallelism.pipeline_parallel_degree", "2"],
+     ["error: [parallelism] pipeline_parallel_memory_limit_gib: ranks [1] planned the split [",
+      "] within their device's memory of ", " (0 = each rank's own device)"]),
+], ids=["config", "split", "memory"])
 def test_ranks_that_would_run_another_job_stop_with_one_line(tmp_path, fault, extra, fragments):
     """The same-plan check at start (trainer/agreement.py): rank 1 loads another config, or plans another split
     from the same config (tests/distributed/worker.py); both ranks stop before building anything."""

@@ -61,8 +61,15 @@ def inject_fault(name: str) -> None:
         if os.environ.get("RANK") == "1":
             real = globals()["load_config"]
             globals()["load_config"] = lambda overrides: real(overrides=[*overrides, "--training.steps", "5"])
-    elif name == "other_planner_on_rank1":  # as if rank 1 ran another planner: it keeps the second-best split
+    elif name in ("other_planner_on_rank1", "smaller_device_on_rank1"):
+        # as if rank 1 ran another planner (or, the second, searched within a smaller device's memory): it keeps the
+        # second-best split
         if os.environ.get("RANK") == "1":
+            if name == "smaller_device_on_rank1":
+                import trainer.plan
+
+                real_memory = trainer.plan.device_memory_bytes
+                trainer.plan.device_memory_bytes = lambda: real_memory() // 2
             import dataclasses
 
             import trainer.parallel.pipeline_split as split

@@ -186,6 +186,12 @@ def test_dry_run_compares_schedules_when_asked(tmp_path):
     lines = proc.stdout.splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith("Schedules compared (--compare-schedules)"))
     assert lines[head + 1].split()[:2] == ["schedule", "stages"] and "1F1B (this plan)" in proc.stdout
+    # every schedule of the table: a row, or the line saying why not (1F1B's own row is this plan's)
+    from trainer.config.schedules import SCHEDULES
+
+    listed = [line.split()[3].rstrip(":") if line.startswith("Cannot run here") else line.split()[0]
+              for line in lines[head + 3:] if line.strip()]
+    assert sorted(listed) == sorted(SCHEDULES), lines[head:]
     assert "Schedules compared" not in launch(args).stdout  # only when asked: it plans the job once per schedule
 
 

@@ -3,7 +3,7 @@ every rank stops with when one differs."""
 
 import dataclasses
 
-from trainer.agreement import SHOWN, SPLIT_ENTRY, first_disagreement
+from trainer.agreement import MEMORY_ENTRY, SHOWN, SPLIT_ENTRY, first_disagreement
 from trainer.config import JobConfig, load_config
 from trainer.config.render import config_fingerprint, walk_sections
 
@@ -15,7 +15,9 @@ def with_parallelism(config, **changes):
 def test_every_config_key_is_compared_but_the_config_files_own_path():
     entries = config_fingerprint(load_config(overrides=[]))
     expected = {f"[{'.'.join(path)}] {name}" for path, fields in walk_sections(JobConfig) for name in fields}
-    assert set(entries) == expected - {"[job] config_file"}
+    # the config file's path and the paths whose contents the same-data check compares may differ by node
+    assert set(entries) == expected - {"[job] config_file", "[training] dataset_path", "[validation] dataset_path",
+                                       "[model] tokenizer_path"}
     # a value is its TOML form, so a change of any kind shows: here an int, a bool, a list
     for args, key in [(["--training.steps", "7"], "[training] steps"),
                       (["--metrics.no-enable_tensorboard"], "[metrics] enable_tensorboard"),
@@ -23,6 +25,12 @@ def test_every_config_key_is_compared_but_the_config_files_own_path():
                        "[parallelism] pipeline_parallel_split_points")]:
         other = config_fingerprint(load_config(overrides=args))
         assert [k for k in entries if other[k] != entries[k]] == [key]
+
+
+def test_a_tables_entries_compare_in_key_order():
+    n_layers, dim = ["--model.overrides.n_layers", "4"], ["--model.overrides.dim", "64"]
+    one, other = (config_fingerprint(load_config(overrides=args)) for args in (n_layers + dim, dim + n_layers))
+    assert one == other and one["[model] overrides"] == "{dim = 64, n_layers = 4}"
 
 
 def test_the_plans_files_are_compared_by_their_contents(tmp_path):
@@ -65,6 +73,20 @@ def test_another_split_from_the_same_inputs_names_the_split_points_key_and_rank_
     assert message.startswith('[parallelism] pipeline_parallel_split_points: ranks [1] planned the split ["layers.4"]'
                               " from the same config and files as rank 0")
     assert message.endswith('pipeline_parallel_split_points = ["layers.3"] runs rank 0\'s split on all')
+
+
+def test_another_split_within_another_devices_memory_names_the_memory_limit():
+    """With pipeline_parallel_memory_limit_gib = 0 each rank's split search is limited by its own device: a node with
+    smaller devices may plan another split, and the line says so (the same memory: the split line as above)."""
+    base = {**config_fingerprint(load_config(overrides=[])), SPLIT_ENTRY: '["layers.3"]'}
+    other = {**base, SPLIT_ENTRY: '["layers.4"]'}
+    memory = [{MEMORY_ENTRY: "80.00 GiB"}, {MEMORY_ENTRY: "40.00 GiB"}]
+    assert first_disagreement([base, other], memory) == (
+        '[parallelism] pipeline_parallel_memory_limit_gib: ranks [1] planned the split ["layers.4"] within their'
+        ' device\'s memory of 40.00 GiB where rank 0 planned ["layers.3"] within 80.00 GiB (0 = each rank\'s own'
+        " device); set it to the smallest device's to plan alike")
+    same = first_disagreement([base, other], [memory[0], memory[0]])
+    assert same == first_disagreement([base, other]) and same.startswith("[parallelism] pipeline_parallel_split_points")
 
 
 def test_a_key_only_one_side_has_is_missing_on_the_other_and_long_values_are_shortened():

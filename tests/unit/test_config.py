@@ -270,6 +270,7 @@ CLI_ERRORS = [
     (["--checkpoint.initial_load_path", "/nonexistent/step-3"], ["[checkpoint] initial_load_path", "not found"]),
     (["--world-size", "8"], ["--world-size: only used with --dry-run"]),
     (["--compare-schedules"], ["--compare-schedules: only used with --dry-run"]),
+    (["--dry-run", "--compare-schedules=1"], ["--compare-schedules: takes no value"]),
     (["--dry-run", "--compare-schedules"], ["--compare-schedules: [parallelism] pipeline_parallel_degree is 1"]),
     (["--parallelism.pipeline_parallel_device_memory_gbytes_per_second", "3350"],
      ["[parallelism] pipeline_parallel_device_memory_gbytes_per_second", "pipeline_parallel_device_tflops"]),

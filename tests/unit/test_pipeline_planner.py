@@ -945,5 +945,62 @@ def test_compare_schedules_plans_every_schedule_with_the_planners_split(tmp_path
     # schedule's default (V: 2 stages a rank; 1F1B: 1)
     per_stage = load_plan(base + ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                                   "--parallelism.pipeline_parallel_layers_per_stage", "1"])
-    stages = {cells[0]: cells[1] for cells in table(compare_schedules(per_stage, 2))}
+    lines = compare_schedules(per_stage, 2)
+    stages = {cells[0]: cells[1] for cells in table(lines)}
     assert stages["LoopedBFS"] == "6" and stages["ZBVZeroBubble"] == "4" and stages["1F1B"] == "2"
+    # DualPipeV fits neither way (3 stages a rank; 2 microbatches for 4 stages): both reasons, in that order
+    dual = next(line for line in lines if line.startswith("Cannot run here: DualPipeV"))
+    assert "needs exactly 2 stages per rank, got 3; with the schedule's own stage count: " in dual
+    assert dual.endswith("at least as many microbatches as stages, but got 2 microbatches and 4 stages.")
+
+
+@pytest.mark.parametrize("case", ["memory limit", "per-op checkpointing", "csv schedule", "planner's own split"])
+def test_compare_schedules_refuses_exactly_what_each_schedules_own_plan_refuses(tmp_path, case):
+    """Each schedule's row, or its "Cannot run here" line, is what that schedule's own plan (config checks included)
+    gives: under a memory limit some schedules fit no split; per-op selective checkpointing rules out the zero-bubble
+    ones; a configured CSV schedule is this plan, every named schedule is planned; a plan that is the planner's own
+    choice is not listed twice."""
+    from trainer.config.schedules import SCHEDULES
+    from trainer.dry_run import _amount, compare_schedules
+
+    base = ["--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path)]
+    given = {"memory limit": ["--model.overrides.vocab_size", "100000",
+                              "--parallelism.pipeline_parallel_memory_limit_gib", "0.6"],
+             "per-op checkpointing": ["--activation_checkpoint.mode", "selective",
+                                      "--activation_checkpoint.selective_ac_option", "op"],
+             "csv schedule": [], "planner's own split": []}[case]
+    configured = []
+    if case == "csv schedule":
+        from trainer.parallel.schedule_sim import _flatten, schedule_ops
+
+        path = tmp_path / "interleaved.csv"
+        path.write_text("\n".join(",".join(f"{s}{k}{m}" for a in rank for k, s, m in _flatten(a))
+                                  for rank in schedule_ops("Interleaved1F1B", 2, 8, 2)) + "\n")
+        configured = ["--parallelism.pipeline_parallel_schedule_csv", str(path)]
+    plan = load_plan(base + given + configured, check_memory=False)
+    lines = compare_schedules(plan, 2)
+    start = next(i for i, line in enumerate(lines) if line.startswith("schedule ")) + 2
+    rows = {cells[0]: cells for cells in (re.split(r"\s{2,}", line.strip()) for line in lines[start:]
+                                          if not line.startswith("Cannot run here"))}
+    refused = {line.split(": ")[1]: line.split(": ", 2)[2] for line in lines if line.startswith("Cannot run here")}
+    assert f"{plan.pipeline.schedule} (this plan)" in rows
+    for name in SCHEDULES:
+        try:
+            alone = load_plan(base + given + ["--parallelism.pipeline_parallel_schedule", name], check_memory=False)
+        except ConfigError as e:
+            assert refused.pop(name) == str(e), name
+            continue
+        sim = Simulator(alone.pipeline_costs,
+                        program_for(name, 2, alone.n_microbatches, alone.pipeline.stages_per_rank))
+        if (name, alone.pipeline.counts) == (plan.pipeline.schedule, plan.pipeline.counts):
+            assert name not in rows  # the plan's own row is it
+            continue
+        assert rows.pop(name)[2] == _amount(sim.predict(alone.pipeline.counts).makespan, "units"), name
+    assert refused == {} and list(rows) == [f"{plan.pipeline.schedule} (this plan)"]
+    # each case refuses what it is about: a schedule for memory (at least one), every split-backward one for
+    # per-op checkpointing
+    zero_bubble = sum(t.split_backward for t in SCHEDULES.values())
+    least = {"memory limit": 1, "per-op checkpointing": zero_bubble, "csv schedule": 0, "planner's own split": 0}
+    assert sum(line.startswith("Cannot run here") for line in lines) >= least[case]
+    if case == "memory limit":
+        assert "no split whose state + activations exceed the memory limit of 0.6 GiB" in lines[0]

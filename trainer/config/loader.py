@@ -211,6 +211,8 @@ def parse_cli(argv: list[str]) -> tuple[Flat, Action, int | None, bool]:
         if token == COMPARE_SCHEDULES:
             compare = True
             continue
+        if token.startswith(COMPARE_SCHEDULES + "="):
+            raise ConfigError(f"{COMPARE_SCHEDULES}: takes no value (got {token!r})")
         if not token.startswith("--") or token == "--":
             raise ConfigError(f"unexpected argument {token!r}; options look like --section.key value")
         raw, has_eq, text = token[2:].partition("=")

@@ -67,17 +67,26 @@ def config_sections(config: JobConfig):
 
 # Keys naming files the job plan reads (the tokenizer and datasets are compared once open: trainer.agreement).
 PLAN_FILE_KEYS = ("pipeline_parallel_cost_file", "pipeline_parallel_pace_files", "pipeline_parallel_schedule_csv")
+# Paths the ranks compare by what they opened, not by name (the same-data check): node-local copies of the same
+# files may sit at other paths on other nodes.
+OPENED_KEYS = {("training", "dataset_path"), ("validation", "dataset_path"), ("model", "tokenizer_path")}
 
 
 def config_fingerprint(config: JobConfig) -> dict[str, str]:
     """What ranks compare at start (``trainer.agreement``), in the order a difference is reported: every key
     (``[section] key``: its TOML value, ``unset`` for an unset optional), then the contents of each file the plan
     reads (``[parallelism] <key> (contents of <path>)``: a digest; the same path may hold other files on other
-    nodes)."""
+    nodes). Not the paths in ``OPENED_KEYS``, whose contents the ranks compare once open; a table's entries in
+    key order (the command line may give them in any)."""
     import hashlib
 
-    entries = {f"[{'.'.join(path)}] {name}": "unset" if value is None else toml_value(value)
-               for path, values in config_sections(config) for name, value in values.items()}
+    def text(value) -> str:
+        if value is None:
+            return "unset"
+        return toml_value(dict(sorted(value.items())) if isinstance(value, dict) else value)
+
+    entries = {f"[{'.'.join(path)}] {name}": text(value) for path, values in config_sections(config)
+               for name, value in values.items() if path + (name,) not in OPENED_KEYS}
     for key in PLAN_FILE_KEYS:
         value = getattr(config.parallelism, key)
         for name in [value] if isinstance(value, str) else value:
