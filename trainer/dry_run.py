@@ -233,8 +233,8 @@ def compare_schedules(plan: JobPlan, world_size: int) -> list[str]:
     finally:
         logging.disable(level)
     unit_name = "" if unit == "s" else " (units)"
-    limit = (f", no split whose state + activations exceed the memory limit of"
-             f" {p.pipeline_parallel_memory_limit_gib:g} GiB" if p.pipeline_parallel_memory_limit_gib else "")
+    limit = (f", no split over the memory limit of {p.pipeline_parallel_memory_limit_gib:g} GiB"
+             if p.pipeline_parallel_memory_limit_gib else "")
     per_stage = (f", pipeline_parallel_layers_per_stage {p.pipeline_parallel_layers_per_stage} where the schedule"
                  " allows it" if p.pipeline_parallel_layers_per_stage else "")
     lines = [f"Schedules compared (--compare-schedules): each planned as its own job with split_mode makespan, the"

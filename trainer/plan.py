@@ -139,12 +139,8 @@ class JobPlan:
         """What the loss's backward allocates beside the kept activations, on the rank that computes the loss, at
         the start of each microbatch's backward: the float32 gradients of nll_loss and of log_softmax over every
         logit of the microbatch, alive together (8 bytes a logit; the vocabulary split under loss parallelism)."""
-        p = self.config.parallelism
         sequences = self.config.training.local_batch_size if self.pipeline is None else self.microbatch_size
-        vocab = self.spec.vocab_size(self.model_args)
-        if self.dims.tp > 1 and not p.disable_loss_parallel:
-            vocab /= self.dims.tp
-        return LOSS_GRADIENT_BYTES * sequences * self.tokens_per_rank * vocab
+        return loss_gradient_bytes(self.config, self.spec, self.model_args, self.dims, sequences)
 
     def loss_rank(self) -> int:
         """The pipeline rank that computes the loss (the last stage's)."""
@@ -504,6 +500,15 @@ def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
                    " came from a CSV file)")
 
 
+def loss_gradient_bytes(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims, sequences: int) -> float:
+    """``JobPlan.loss_gradient_bytes`` for a microbatch of ``sequences``: 8 bytes a logit of the rank's tokens, the
+    vocabulary split over tp under loss parallelism."""
+    vocab = spec.vocab_size(args)
+    if dims.tp > 1 and not config.parallelism.disable_loss_parallel:
+        vocab /= dims.tp
+    return LOSS_GRADIENT_BYTES * sequences * (config.training.seq_len // dims.cp) * vocab
+
+
 def activation_sections(config: JobConfig) -> dict:
     """What the activation estimate (trainer.activation_memory.part_activations) reads of the config."""
     return dict(activation_checkpoint=config.activation_checkpoint, parallelism=config.parallelism,
@@ -514,7 +519,8 @@ def activation_sections(config: JobConfig) -> dict:
 def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims, device: str,
                  n_micro: int):
     """``rank_bytes(counts, placement)``: each pipeline rank's state + activation bytes for stages of ``counts``
-    blocks, rank r holding stages ``placement[r]`` (activations 0 where they are not estimated)."""
+    blocks, rank r holding stages ``placement[r]`` (activations 0 where they are not estimated), plus the loss's
+    gradient on the rank holding the last stage: the dry run's memory table, per rank."""
     from trainer.activation_memory import part_activations, rank_actions, rank_peaks
 
     p = config.parallelism
@@ -528,6 +534,7 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
     schedule, traits = schedule_traits(p)
     tokens = p.pipeline_parallel_microbatch_size * config.training.seq_len
     walked = []  # each rank's actions, walked once for every split priced
+    loss = loss_gradient_bytes(config, spec, args, dims, p.pipeline_parallel_microbatch_size)
 
     def rank_bytes(counts: tuple[int, ...], placement: list[list[int]]) -> list[float]:
         last = len(counts) - 1
@@ -541,6 +548,7 @@ def split_memory(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module
             if not walked:
                 walked.extend(rank_actions(schedule_ops(schedule, dims.pp, n_micro, len(counts) // dims.pp)))
             acts = rank_peaks(per_part, counts, walked, tokens)
-        return [sum(stage_state[s] for s in placement[r]) * BYTES_PER_PARAM / split + acts[r] for r in range(dims.pp)]
+        return [sum(stage_state[s] for s in placement[r]) * BYTES_PER_PARAM / split + acts[r]
+                + (loss if last in placement[r] else 0.0) for r in range(dims.pp)]
 
     return rank_bytes

@@ -239,7 +239,8 @@ class Parallelism:
     pipeline_parallel_link_latency_us: Annotated[float, NonNegative] = 20.0
     """Latency of one transfer between pipeline ranks in microseconds, for the planner."""
     pipeline_parallel_memory_limit_gib: Annotated[float, NonNegative] = 0.0
-    """Memory per device the planner's split must fit (state + activations of each rank), GiB; 0 = the device's memory
+    """Memory per device the planner's split must fit (state + activations of each rank, + the loss's gradient on the
+    last stage's: the dry run's memory table), GiB; 0 = the device's memory
     at launch, no limit in a dry run."""
     pipeline_parallel_embedding_weight: Annotated[float, NonNegative] = 1.0
     """For split_mode even: the input embedding counts as this many layers on the first stage."""

@@ -224,7 +224,7 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, layout: Mode
         if not search.best:
             raise ConfigError(
                 f"{KEY}memory_limit_gib: none of the {search.evaluated} splits tried fits every rank"
-                f" (state + activations); raise the limit or data_parallel_shard_degree, lower"
+                f" (state + activations + the loss's gradient); raise the limit or data_parallel_shard_degree, lower"
                 " [training] local_batch_size or pipeline_parallel_microbatch_size, or use activation checkpointing")
         counts = list(search.best[0].counts)
     else:
