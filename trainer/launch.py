@@ -11,6 +11,7 @@ import instead of paying for a second interpreter.
 """
 
 import sys
+import tempfile
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import get_args_parser, run
@@ -23,6 +24,13 @@ def main(argv: list[str]) -> int:
         return code
     if str(args.nnodes).rpartition(":")[2] not in ("", "1"):
         announce_rendezvous(args)
+    scratch = None
+    if args.log_dir is None and args.redirects == "0" and not args.local_ranks_filter:
+        # torchrun makes a folder under /tmp at each launch and leaves it: empty, or with copies of what --tee
+        # (run_train.sh's) already showed on the console. Give it one that goes when the launch ends. With
+        # --log-dir, --redirects or a ranks filter its files may be the only copy of some output, and stay.
+        scratch = tempfile.TemporaryDirectory(prefix="torchelastic_")
+        args.log_dir = scratch.name
     try:
         run(args)
     except ChildFailedError as e:
@@ -30,6 +38,9 @@ def main(argv: list[str]) -> int:
         # torchrun stops the other ranks (SIGTERM, status -15) once one fails: 2 from any rank
         # means a user error was reported.
         return 2 if any(f.exitcode == 2 for f in e.failures.values()) else 1
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
     return 0
 
 

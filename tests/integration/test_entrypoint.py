@@ -4,6 +4,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,7 @@ def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, re
     """Without LOG_RANK, exactly one rank prints metrics: the one holding the last stage
     (rank 1 for 1F1B's loop placement, rank 0 for ZBV's V placement), and TensorBoard gets the loss."""
     dump = tmp_path / "pp"
+    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     proc = launch(
         ["./run_train.sh", "--job.dump_folder", str(dump), "--training.steps", "3", "--training.local_batch_size", "4",
          "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "2",
@@ -140,6 +142,8 @@ def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, re
         env={k: v for k, v in {**ENV, "NGPU": "2"}.items() if k != "OMP_NUM_THREADS"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # torchrun's folder of --tee copies (everything was on the console) is gone with the launch
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
     lines = (proc.stdout + proc.stderr).splitlines()
     # A config warning: once per job (not per rank, not by the launcher), labelled; no torchrun OMP banner.
     warned = [line for line in lines if "warmup_steps=5 exceeds [training] steps=3" in line]
