@@ -36,6 +36,7 @@ def first_disagreement(everyone: list[dict[str, str]], contexts: list[dict[str, 
     ``contexts``: what else each rank planned with, not compared but named as the cause of another split (each
     rank's memory limit, ``MEMORY_ENTRY``, where it is its own device's)."""
     mine = everyone[0]
+    limits = [c.get(MEMORY_ENTRY) for c in contexts or []]
     keys = list(mine) + [k for entries in everyone[1:] for k in entries if k not in mine]
     for key in dict.fromkeys(keys):
         ranks = [r for r, entries in enumerate(everyone) if entries.get(key) != mine.get(key)]
@@ -43,7 +44,6 @@ def first_disagreement(everyone: list[dict[str, str]], contexts: list[dict[str, 
             continue
         theirs = everyone[ranks[0]].get(key, "missing")
         ours = mine.get(key, "missing")
-        limits = [c.get(MEMORY_ENTRY) for c in contexts or []]
         if key == SPLIT_ENTRY and limits and limits[ranks[0]] != limits[0]:
             return (f"[parallelism] pipeline_parallel_memory_limit_gib: ranks {ranks} planned the split"
                     f" {_short(theirs)} within their device's memory of {limits[ranks[0]]} where rank 0 planned"

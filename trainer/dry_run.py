@@ -11,7 +11,7 @@ import torch
 
 from trainer.config.schedules import SCHEDULES
 from trainer.config.validate import is_prepared_path, mix_entries, validate_config
-from trainer.errors import ConfigError
+from trainer.errors import UserError
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
 from trainer.parallel.pipeline_planner import Simulator, most_unequal_split, search_splits
 from trainer.parallel.schedule_sim import program_for, timeline
@@ -138,11 +138,12 @@ def describe_plan(plan: JobPlan) -> str:
     lines.append("")
     known = not isinstance(activations, str)
     loss_grad = [plan.loss_gradient_bytes() / 2**30 if r == plan.loss_rank() else 0.0 for r in range(pipeline.pp)]
+    totals = _rank_gib(plan, activations)
     mem_rows = [
         [str(r), ", ".join(str(s) for s in pipeline.stage_ids(r)), f"{plan.rank_params(r) / 1e6:,.1f}M",
          f"{plan.state_gib_per_device(r):.2f}",
          f"{activations[r] / 2**30:.2f}" if known else "-", f"{loss_grad[r]:.2f}",
-         f"{plan.state_gib_per_device(r) + activations[r] / 2**30 + loss_grad[r]:.2f}" if known else "-"]
+         f"{totals[r]:.2f}" if known else "-"]
         for r in range(pipeline.pp)
     ]
     lines += _table(["pp rank", "stages", "parameters", "state GiB", "activations GiB", "loss gradient GiB",
@@ -177,10 +178,9 @@ def _simulator(plan: JobPlan) -> Simulator:
                                                       pipeline.stages_per_rank, plan.schedule_csv))
 
 
-def _rank_gib(plan: JobPlan) -> list[float] | None:
-    """Each pipeline rank's state + activations + loss gradient in GiB, the memory table's total (None where the
-    activations are not estimated)."""
-    activations = plan.activation_peaks(DEVICE)
+def _rank_gib(plan: JobPlan, activations: list[float] | str) -> list[float] | None:
+    """Each pipeline rank's state + activations (``plan.activation_peaks``) + loss gradient in GiB, the memory
+    table's total (None where the activations are not estimated)."""
     if isinstance(activations, str):
         return None
     loss = plan.loss_gradient_bytes()
@@ -200,7 +200,7 @@ def compare_schedules(plan: JobPlan, world_size: int) -> list[str]:
 
     def row(name: str, other: JobPlan, mark: str = "") -> tuple[float, list[str]]:
         pred = _simulator(other).predict(other.pipeline.counts)
-        gib = _rank_gib(other)
+        gib = _rank_gib(other, other.activation_peaks(DEVICE))
         return pred.makespan, [name + mark, str(other.pipeline.num_stages), _amount(pred.makespan, unit),
                                _signed_percent(pred.makespan / step.makespan - 1),
                                f"{100 * max(map(pred.bubble, range(other.pipeline.pp))):.1f}%",
@@ -222,7 +222,7 @@ def compare_schedules(plan: JobPlan, world_size: int) -> list[str]:
                 try:
                     validate_config(variant)  # the schedule's own rules (e.g. per-op checkpointing)
                     other = build_job_plan(variant, world_size, check_memory=False)
-                except ConfigError as e:
+                except UserError as e:  # what that schedule's own dry run would refuse with
                     why.append(str(e))
                     continue
                 if (name, other.pipeline.counts) != (here.schedule, here.counts):
@@ -235,10 +235,10 @@ def compare_schedules(plan: JobPlan, world_size: int) -> list[str]:
     unit_name = "" if unit == "s" else " (units)"
     limit = (f", no split over the memory limit of {p.pipeline_parallel_memory_limit_gib:g} GiB"
              if p.pipeline_parallel_memory_limit_gib else "")
-    per_stage = (f", pipeline_parallel_layers_per_stage {p.pipeline_parallel_layers_per_stage} where the schedule"
-                 " allows it" if p.pipeline_parallel_layers_per_stage else "")
+    layers = (f", pipeline_parallel_layers_per_stage {p.pipeline_parallel_layers_per_stage} where the schedule"
+              " allows it" if p.pipeline_parallel_layers_per_stage else "")
     lines = [f"Schedules compared (--compare-schedules): each planned as its own job with split_mode makespan, the"
-             f" same part costs and {plan.n_microbatches} microbatches{per_stage}{limit}; fastest first"]
+             f" same part costs and {plan.n_microbatches} microbatches{layers}{limit}; fastest first"]
     lines += _table(["schedule", "stages", f"predicted step{unit_name}", "vs this plan", "most idle rank",
                      "most memory GiB"], [r for _, r in sorted(rows, key=lambda r: r[0])])
     lines += [f"Cannot run here: {line}" for line in refused]

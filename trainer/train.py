@@ -162,8 +162,7 @@ def main(config: JobConfig, *, observer: StepObserver | None = None) -> TrainRes
         init_distributed(device, config.comm.init_timeout_seconds)
     try:
         # before any mesh or stage: ranks that planned another job would wait on each other, or run a part of it
-        limit = split_memory_limit(config.parallelism) if plan.pipeline and not (
-            config.parallelism.pipeline_parallel_memory_limit_gib) else None
+        limit = split_memory_limit(config.parallelism) if plan.pipeline else None  # the configured one, or the device's
         check_same_job(config_fingerprint(config), plan.pipeline.split_points() if plan.pipeline else None, device,
                        {MEMORY_ENTRY: f"{limit / 2**30:.2f} GiB"} if limit else None)
         trainer = build_trainer(plan, device, reporting)
