@@ -45,6 +45,11 @@ def run(argv: list[str]) -> int:
         for line in error_lines(e):
             print(f"error: {line}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the terminal's group, each rank included: one line each, not a traceback
+        rank = os.environ.get("RANK")
+        print(f"{f'rank {rank}: ' if rank else ''}interrupted (SIGINT)", file=sys.stderr)
+        return 130
     except Exception as e:
         if not _lost_peer(e):
             raise

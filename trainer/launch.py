@@ -18,6 +18,25 @@ from torch.distributed.run import get_args_parser, run
 
 
 def main(argv: list[str]) -> int:
+    """Launch (and first check) the job; a failed rank or a signal ends it with one line, not a traceback."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return _launch(argv)
+    except SignalException as e:
+        # Ctrl-C (SIGINT) or a scheduler's SIGTERM while the ranks run: torchrun passed it on to them and waited
+        # for them to stop. Each rank said where it stopped, or ended without a word (SIGTERM).
+        code = int(e.sigval)
+    except KeyboardInterrupt:
+        # before the ranks started (the config check, the rendezvous): torchrun's handlers are not installed yet
+        code = int(signal.SIGINT)
+    print(f"launcher: stopped by {signal.Signals(code).name}", file=sys.stderr)
+    return 128 + code
+
+
+def _launch(argv: list[str]) -> int:
     check = bool(argv) and argv[0] == "--check-config"
     args = get_args_parser().parse_args(argv[1:] if check else argv)
     if check and (code := check_config(args)):

@@ -226,14 +226,56 @@ def test_a_lone_node_says_it_is_waiting_for_the_others():
             if line.startswith("launcher: waiting for all 2 nodes"):
                 seen.set()
 
-    threading.Thread(target=read, daemon=True).start()
+    reader = threading.Thread(target=read, daemon=True)
+    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
+    reader.start()
     try:
         assert seen.wait(15), "".join(lines)[-2000:]
+        # Ctrl-C while waiting: the launcher stops at once, with one line and no traceback, and leaves no folder
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 130, "".join(lines)[-2000:]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    reader.join(timeout=10)
     line = next(x for x in lines if x.startswith("launcher: waiting"))
     assert f"rendezvous at 127.0.0.1:{port} (job id lone)" in line and "start the same command on every node" in line
+    assert lines[-1] == "launcher: stopped by SIGINT\n" and not any("Traceback" in x for x in lines), lines[-20:]
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
+
+
+def test_ctrl_c_stops_every_rank_with_one_line_each(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) in a two-rank run: each rank and the launcher say they
+    stopped, in one line each, no traceback; exit status 130 (128 + SIGINT), within seconds."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1000",
+                             "--training.seq_len", "64", "--training.local_batch_size", "2"],
+                            cwd=REPO, env={**ENV, "NGPU": "2"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines, before = [], set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
+    try:
+        for line in proc.stdout:  # until the ranks train
+            lines.append(line)
+            if " step " in line and "loss" in line:
+                break
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        lines += proc.stdout.readlines()
+        assert proc.wait(timeout=60) == 130, "".join(lines)[-3000:]
+        assert time.monotonic() - start < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = "".join(lines)
+    assert "Traceback" not in text, text[-3000:]
+    for rank in (0, 1):
+        assert f"[rank{rank}]:rank {rank}: interrupted (SIGINT)" in text, text[-3000:]
+    assert lines[-1] == "launcher: stopped by SIGINT\n", lines[-10:]
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
 
 
 @pytest.mark.slow  # two processes
