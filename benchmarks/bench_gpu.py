@@ -257,7 +257,8 @@ def step_nccl2(args, work: Path) -> dict:
     script = work / "nccl2.py"
     script.write_text(NCCL2)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script)], capture_output=True, text=True, timeout=40)
+                           "--log-dir", str(work / "torchrun"), str(script)],
+                          capture_output=True, text=True, timeout=40)
     text = proc.stdout + proc.stderr
     print(text)
     errors = [line for line in text.splitlines() if re.search(r"\w+(Error|Exception): |NCCL (WARN|error)", line)]

@@ -239,8 +239,10 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
     if launch:
+        # torchrun's log folder with the launch's files (without --log-dir it leaves one in /tmp at each launch)
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               str(worker), str(spec)], cwd=REPO, env=env, capture_output=True, text=True)
+                               "--log-dir", str(tmp / "torchrun"), str(worker), str(spec)], cwd=REPO, env=env,
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr[-3000:])
     seconds = json.loads(out.read_text())

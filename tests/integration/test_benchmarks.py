@@ -183,7 +183,11 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
 
     fitted = []
     monkeypatch.setattr(trainer.plan, "fit_pace", lambda runs: fitted.append(runs) or 0.2)
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     report = bench.run_group("tiny", "ZBVZeroBubble", args, tmp_path)
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before  # torchrun's logs in tmp_path
 
     order = json.loads((tmp_path / "tiny_ZBVZeroBubble.json").read_text())["order"]
     seconds = json.loads((tmp_path / "tiny_ZBVZeroBubble_steps.json").read_text())
