@@ -6,9 +6,12 @@ would (``run_train.sh`` has its launcher check the same before starting any proc
 """
 
 import os
+import signal
 import sys
 
 from trainer.errors import UserError, error_lines
+
+INTERRUPTED = 128 + signal.SIGINT  # run()'s status after Ctrl-C; the process then ends by SIGINT itself
 
 
 def run(argv: list[str]) -> int:
@@ -49,7 +52,7 @@ def run(argv: list[str]) -> int:
         # Ctrl-C reaches every process of the terminal's group, each rank included: one line each, not a traceback
         rank = os.environ.get("RANK")
         print(f"{f'rank {rank}: ' if rank else ''}interrupted (SIGINT)", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except Exception as e:
         if not _lost_peer(e):
             raise
@@ -72,10 +75,15 @@ def _lost_peer(e: Exception) -> bool:
 
 
 if __name__ == "__main__":
+    from trainer.errors import end_by_signal, stop_once_on_sigint
+
+    stop_once_on_sigint()
     try:
         code = run(sys.argv[1:])
         sys.stdout.flush()
     except BrokenPipeError:  # e.g. `python train.py --help | head -3`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    if code == INTERRUPTED:
+        end_by_signal(signal.SIGINT)
     sys.exit(code)

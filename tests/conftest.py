@@ -92,3 +92,21 @@ def load_plan(overrides: list[str], world_size: int | None = None, config_file=N
         world_size = (p.data_parallel_replicate_degree * max(p.data_parallel_shard_degree, 1)
                       * p.context_parallel_degree * p.tensor_parallel_degree * p.pipeline_parallel_degree)
     return build_job_plan(config, world_size, check_memory=check_memory)
+
+
+@pytest.fixture
+def launch_tmp(tmp_path):
+    """A temporary folder of a launch's own (``TMPDIR``, which tempfile and so torchrun read): torchrun makes its
+    log folder ``torchelastic_*`` there, and a test checks that none is left, whatever other tests launch at the
+    same time (pytest -n). ``.env``: the variables to add; ``.left()``: the torchrun folders left there."""
+    folder = tmp_path / "launch_tmp"
+    folder.mkdir()
+
+    class LaunchTmp:
+        env = {"TMPDIR": str(folder)}
+
+        @staticmethod
+        def left() -> list[Path]:
+            return sorted(folder.glob("torchelastic_*"))
+
+    return LaunchTmp()

@@ -53,3 +53,32 @@ def one_line(message: object) -> str:
     import re
 
     return re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], str(message).strip())
+
+
+def stop_once_on_sigint() -> None:
+    """Ctrl-C reaches a rank twice: from the terminal (SIGINT to the whole process group) and from torchrun, which
+    passes it on. The first raises ``KeyboardInterrupt`` as usual; later ones are ignored, so that they cannot
+    break into the cleanup or the one line that reports the first (``end_by_signal`` ends the process)."""
+    import signal
+
+    def interrupt(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+
+
+def end_by_signal(signum: int) -> None:
+    """End this process by ``signum``, with the signal's own action, once it has said why in one line. A calling
+    shell then sees a process stopped by the signal (status 128 + signum) and stops too: a loop of runs ends at
+    Ctrl-C, where an exit status of 130 would go on to the next run. Threads still running (a loader, a
+    checkpoint writer) end with the process instead of holding its exit."""
+    import os
+    import signal
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    sys.exit(128 + signum)  # not reached where the signal ends the process

@@ -10,6 +10,7 @@ layout is one line and exit 2 before any worker starts, and the check shares the
 import instead of paying for a second interpreter.
 """
 
+import os
 import sys
 import tempfile
 
@@ -23,14 +24,21 @@ def main(argv: list[str]) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    def stop(signum, frame):
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    # A scheduler's SIGTERM before the ranks start (the config check, the rendezvous) ends the launch as it does
+    # once they run, when torchrun's own handler (which raises the same) takes over.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)
     try:
         return _launch(argv)
     except SignalException as e:
-        # Ctrl-C (SIGINT) or a scheduler's SIGTERM while the ranks run: torchrun passed it on to them and waited
-        # for them to stop. Each rank said where it stopped, or ended without a word (SIGTERM).
+        # Ctrl-C (SIGINT) or SIGTERM while the ranks run: torchrun passed it on to them and waited for them to
+        # stop. Each rank said where it stopped, or ended without a word (SIGTERM).
         code = int(e.sigval)
     except KeyboardInterrupt:
-        # before the ranks started (the config check, the rendezvous): torchrun's handlers are not installed yet
+        # Ctrl-C before the ranks started: torchrun's handlers are not installed yet
         code = int(signal.SIGINT)
     print(f"launcher: stopped by {signal.Signals(code).name}", file=sys.stderr)
     return 128 + code
@@ -161,4 +169,9 @@ def _how(code: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    if status > 128:  # stopped by a signal (main's line said which): end by it, as a shell expects
+        from trainer.errors import end_by_signal
+
+        end_by_signal(status - 128)
+    sys.exit(status)

@@ -1,8 +1,6 @@
 """User errors in a multi-process job: every rank exits with the same one-line message, none hangs."""
 
 import re
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -18,11 +16,11 @@ CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args, message", CASES, ids=[c[1][:30] for c in CASES])
-def test_every_rank_reports_the_same_error(tmp_path, args, message):
-    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
-    proc = torchrun(2, [str(REPO / "train.py"), "--job.dump_folder", str(tmp_path), *args], tmp_path, timeout=120)
+def test_every_rank_reports_the_same_error(tmp_path, args, message, launch_tmp):
+    proc = torchrun(2, [str(REPO / "train.py"), "--job.dump_folder", str(tmp_path), *args], tmp_path, timeout=120,
+                    env=launch_tmp.env)
     # the launcher leaves no folder of torchrun's behind (it has nothing in it without --log-dir or redirects)
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
+    assert not launch_tmp.left()
     assert proc.returncode == 2
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if re.match(r"(\[rank\d\]:)?error: \[", line)]

@@ -161,7 +161,7 @@ def test_the_planner_benchmark_pools_earlier_reports(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.slow
-def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypatch):
+def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypatch, launch_tmp):
     """bench_pipeline_plan's one launch, on a 5-block model with ZBVZeroBubble (4 splits), one round: every
     split's trainer takes the steps the benchmark's order gives it, numbered as its own (its timeline records
     exactly its measured steps, each from its own split's stages), and the report's figures are those of the
@@ -183,11 +183,10 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
 
     fitted = []
     monkeypatch.setattr(trainer.plan, "fit_pace", lambda runs: fitted.append(runs) or 0.2)
-    import tempfile
-
-    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
+    for name, value in launch_tmp.env.items():
+        monkeypatch.setenv(name, value)
     report = bench.run_group("tiny", "ZBVZeroBubble", args, tmp_path)
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before  # torchrun's logs in tmp_path
+    assert not launch_tmp.left()  # torchrun's logs go with the benchmark's files
 
     order = json.loads((tmp_path / "tiny_ZBVZeroBubble.json").read_text())["order"]
     seconds = json.loads((tmp_path / "tiny_ZBVZeroBubble_steps.json").read_text())

@@ -2,9 +2,11 @@
 
 import math
 import os
+import signal
 import subprocess
 import sys
-import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -129,21 +131,20 @@ def test_help_and_print_config():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, reporter", [("1F1B", 1), ("ZBVZeroBubble", 0)])
-def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, reporter):
+def test_pipeline_loss_is_reported_by_the_last_stage_rank(tmp_path, schedule, reporter, launch_tmp):
     """Without LOG_RANK, exactly one rank prints metrics: the one holding the last stage
     (rank 1 for 1F1B's loop placement, rank 0 for ZBV's V placement), and TensorBoard gets the loss."""
     dump = tmp_path / "pp"
-    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     proc = launch(
         ["./run_train.sh", "--job.dump_folder", str(dump), "--training.steps", "3", "--training.local_batch_size", "4",
          "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "2",
          "--parallelism.pipeline_parallel_schedule", schedule, "--profiling.pipeline_timeline_steps", "2",
          "--lr_scheduler.warmup_steps", "5"],
-        env={k: v for k, v in {**ENV, "NGPU": "2"}.items() if k != "OMP_NUM_THREADS"},
+        env={k: v for k, v in {**ENV, "NGPU": "2", **launch_tmp.env}.items() if k != "OMP_NUM_THREADS"},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # torchrun's folder of --tee copies (everything was on the console) is gone with the launch
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
+    assert not launch_tmp.left()
     lines = (proc.stdout + proc.stderr).splitlines()
     # A config warning: once per job (not per rank, not by the launcher), labelled; no torchrun OMP banner.
     warned = [line for line in lines if "warmup_steps=5 exceeds [training] steps=3" in line]
@@ -208,74 +209,94 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
-def test_a_lone_node_says_it_is_waiting_for_the_others():
-    """NNODES=2 with only one node started: within 15 s it prints that it waits, for how many nodes, where."""
-    import signal
-    import threading
-
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_lone_node_says_it_is_waiting_for_the_others(signum, launch_tmp):
+    """NNODES=2 with only one node started: within 15 s it prints that it waits, for how many nodes, where. Then
+    stopped while it waits (Ctrl-C to its process group, or a scheduler's SIGTERM to the launcher), it ends at once
+    by that signal, with one line and no traceback, and leaves no folder of torchrun's."""
     port = _free_port()
-    env = {**ENV, "NNODES": "2", "NGPU": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": "lone"}
+    env = {**ENV, "NNODES": "2", "NGPU": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": "lone", **launch_tmp.env}
     proc = subprocess.Popen(["./run_train.sh", "--training.steps", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    seen, lines = threading.Event(), []
+    lines = _read_until(proc, lambda line: line.startswith("launcher: waiting for all 2 nodes"), seconds=15)
+    # Ctrl-C reaches the terminal's whole process group; a scheduler signals the launcher
+    os.killpg(proc.pid, signum) if signum == signal.SIGINT else proc.send_signal(signum)
+    lines += _rest(proc)
+    line = next(x for x in lines if x.startswith("launcher: waiting"))
+    assert f"rendezvous at 127.0.0.1:{port} (job id lone)" in line and "start the same command on every node" in line
+    assert proc.returncode == -signum, "".join(lines)[-2000:]
+    assert lines[-1] == f"launcher: stopped by {signal.Signals(signum).name}\n" and not any(
+        "Traceback" in x for x in lines), lines[-20:]
+    assert not launch_tmp.left()
+
+
+@pytest.mark.slow  # two processes
+def test_ctrl_c_stops_every_rank_with_one_line_each(tmp_path, launch_tmp):
+    """Ctrl-C (SIGINT to the terminal's process group) in a two-rank run: each rank and then the launcher say they
+    stopped, in one line each, no traceback, and the launch ends by SIGINT (a shell sees 130), within seconds."""
+    proc = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1000",
+                             "--training.seq_len", "64", "--training.local_batch_size", "2"],
+                            cwd=REPO, env={**ENV, "NGPU": "2", **launch_tmp.env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = _read_until(proc, lambda line: " step " in line and "loss" in line, seconds=120)  # the ranks train
+    start = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    lines += _rest(proc)
+    assert time.monotonic() - start < 30
+    assert proc.returncode == -signal.SIGINT, "".join(lines)[-3000:]
+    text = "".join(lines)
+    assert "Traceback" not in text, text[-3000:]
+    said = [lines.index(f"[rank{rank}]:rank {rank}: interrupted (SIGINT)\n") for rank in (0, 1)]
+    assert lines[-1] == "launcher: stopped by SIGINT\n" and max(said) < len(lines) - 1, lines[-10:]
+    assert not launch_tmp.left()
+
+
+def test_ctrl_c_stops_a_run_without_torchrun(tmp_path):
+    """``python train.py`` interrupted by Ctrl-C: one line, no traceback, and the process ends by SIGINT (so a
+    shell loop of runs stops too)."""
+    proc = subprocess.Popen([sys.executable, "train.py", "--job.dump_folder", str(tmp_path / "run"), "--training.steps",
+                             "1000", "--training.seq_len", "64", "--training.local_batch_size", "2"],
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = _read_until(proc, lambda line: " step " in line and "loss" in line, seconds=120)
+    os.killpg(proc.pid, signal.SIGINT)
+    lines += _rest(proc)
+    assert proc.returncode == -signal.SIGINT, "".join(lines)[-3000:]
+    assert lines[-1] == "interrupted (SIGINT)\n" and not any("Traceback" in x for x in lines), lines[-10:]
+
+
+def _read_until(proc, seen, seconds: float) -> list[str]:
+    """The launch's lines up to the first for which ``seen`` holds, read for at most ``seconds``; the launch is
+    killed if that line does not come."""
+    lines, found = [], threading.Event()
 
     def read():
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("launcher: waiting for all 2 nodes"):
-                seen.set()
+            if seen(line):
+                found.set()
+                return
 
     reader = threading.Thread(target=read, daemon=True)
-    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     reader.start()
-    try:
-        assert seen.wait(15), "".join(lines)[-2000:]
-        # Ctrl-C while waiting: the launcher stops at once, with one line and no traceback, and leaves no folder
-        os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=30) == 130, "".join(lines)[-2000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+    if not found.wait(seconds):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        reader.join(timeout=10)
+        pytest.fail("the line never came:\n" + "".join(lines)[-3000:])
     reader.join(timeout=10)
-    line = next(x for x in lines if x.startswith("launcher: waiting"))
-    assert f"rendezvous at 127.0.0.1:{port} (job id lone)" in line and "start the same command on every node" in line
-    assert lines[-1] == "launcher: stopped by SIGINT\n" and not any("Traceback" in x for x in lines), lines[-20:]
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
+    return list(lines)
 
 
-def test_ctrl_c_stops_every_rank_with_one_line_each(tmp_path):
-    """Ctrl-C (SIGINT to the terminal's process group) in a two-rank run: each rank and the launcher say they
-    stopped, in one line each, no traceback; exit status 130 (128 + SIGINT), within seconds."""
-    import signal
-    import time
-
-    proc = subprocess.Popen(["./run_train.sh", "--job.dump_folder", str(tmp_path / "run"), "--training.steps", "1000",
-                             "--training.seq_len", "64", "--training.local_batch_size", "2"],
-                            cwd=REPO, env={**ENV, "NGPU": "2"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines, before = [], set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
+def _rest(proc, seconds: float = 60) -> list[str]:
+    """The launch's remaining lines once it ends, within ``seconds`` (else it is killed and the test fails)."""
     try:
-        for line in proc.stdout:  # until the ranks train
-            lines.append(line)
-            if " step " in line and "loss" in line:
-                break
-        start = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
-        lines += proc.stdout.readlines()
-        assert proc.wait(timeout=60) == 130, "".join(lines)[-3000:]
-        assert time.monotonic() - start < 30
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-    text = "".join(lines)
-    assert "Traceback" not in text, text[-3000:]
-    for rank in (0, 1):
-        assert f"[rank{rank}]:rank {rank}: interrupted (SIGINT)" in text, text[-3000:]
-    assert lines[-1] == "launcher: stopped by SIGINT\n", lines[-10:]
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
+        out, _ = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"the launch did not end within {seconds} s:\n{out[-3000:]}")
+    return out.splitlines(keepends=True)
 
 
 @pytest.mark.slow  # two processes

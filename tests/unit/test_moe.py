@@ -294,7 +294,7 @@ dist.destroy_process_group()
 """
 
 
-def test_expert_dispatch_returns_each_row_computed_by_its_expert_in_its_own_place(tmp_path):
+def test_expert_dispatch_returns_each_row_computed_by_its_expert_in_its_own_place(tmp_path, launch_tmp):
     """Two gloo ranks: every row comes back to its rank and position, computed by the expert it was sent to
     (a wrong combine order, or rows handed to the wrong local expert, changes the values)."""
     import os
@@ -306,15 +306,11 @@ def test_expert_dispatch_returns_each_row_computed_by_its_expert_in_its_own_plac
     script = tmp_path / "dispatch.py"
     script.write_text(EP_DISPATCH)
     # torchrun's logs in tmp_path: without --log-dir it leaves a folder in /tmp at each launch
-    import tempfile
-    from pathlib import Path
-
-    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "--log-dir", str(tmp_path / "torchrun"), str(script)],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           # the script lives in tmp_path: the trainer from this checkout, installed or not
-                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **launch_tmp.env,
                                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stderr[-2000:]
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
+    assert not launch_tmp.left()
