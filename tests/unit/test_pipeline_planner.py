@@ -814,6 +814,42 @@ def test_the_pace_fit_gets_back_the_planted_pace():
     assert pace_spread([run([0.1, 0.2], 1.0), run([0.3, 0.5], 0.7)]) == pytest.approx(0.2)  # not 0.5 - 0.1
 
 
+def test_a_timed_runs_block_times_count_each_block_by_its_price(tmp_path):
+    """The per-rank block times a timed run records for the pace (and logs) are seconds per mean block's price,
+    not per block: with blocks the FLOP model prices 0.5, 1.5, 1, 1, 1.5, 0.5 (ZBV, split 2 / 1 / 2 / 1), rank 0
+    runs 3 blocks worth 2.5 mean blocks forward, rank 1 3 blocks worth 3.5. Both ran 4 ms (forward) and 5 ms
+    (input gradient) per mean block: the same pace, so the same figures on both ranks, and a second such run
+    fits no pace (k 0), where counting blocks made rank 1 look 40% slower."""
+    import torch
+
+    from trainer.parallel.pipeline_cost import fit_pace
+    from trainer.train import build_calibration
+
+    plan = load_plan(PP2_ZBV)
+    program = program_for("ZBVZeroBubble", 2, plan.n_microbatches, 2)
+    counts = plan.pipeline.counts
+    assert counts == (2, 1, 2, 1)
+    prices = (0.5, 1.5, 1.0, 1.0, 1.5, 0.5)
+
+    def record(bubbles: dict[int, float], folder: str) -> dict:
+        calibration = build_calibration(plan, torch.device("cpu"), tmp_path / folder, program)
+        units = calibration.units
+        calibration.units = replace(units, parts={k: (v[0], *(p * v[1] for p in prices), v[-1])
+                                                  for k, v in units.parts.items()})
+        start = [1 + sum(counts[:s]) for s in range(4)]
+        worth = [sum(prices[start[s] - 1:start[s] - 1 + c]) for s, c in enumerate(counts)]
+        parts = [("F", s, "blocks", 4e-3 * worth[s]) for s in range(4)]
+        parts += [("I", s, "blocks", 5e-3 * worth[s]) for s in (1, 2, 3)] + [("W", 0, "blocks", 8e-3 * worth[0])]
+        actions = [(kind, s, t + 1e-3) for kind, s, _, t in parts]
+        text = calibration.add(5, actions * 8, bubbles, 0.5, parts * 8)
+        assert "a block took F 4.00 / 4.00 ms, I 5.00 / 5.00 ms on pp rank 0 / 1" in text
+        return json.loads((tmp_path / folder / "pipeline_costs.json").read_text())["measured"]
+
+    first = record({0: 0.1, 1: 0.3}, "a")
+    assert first["rank_block_s"] == {"forward": pytest.approx([4e-3, 4e-3]), "backward": pytest.approx([5e-3, 5e-3])}
+    assert fit_pace([first, record({0: 0.02, 1: 0.5}, "b")]) == pytest.approx(0.0, abs=1e-6)
+
+
 def test_pace_files_price_every_split_with_the_pace_the_timed_runs_fit(tmp_path):
     """A timed run whose blocks ran 1 + 0.25 x their rank's bubble slower (bubbles 10% / 30%) writes each rank's
     bubble and block times; with a second run's file (ranks waiting 2% / 50%) the plan fits k = 0.25, prices each

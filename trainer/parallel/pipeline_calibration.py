@@ -9,6 +9,7 @@ to every step recorded so far (``pipeline_cost.fit_costs``), writes them to
 them and what it would gain. ``--parallelism.pipeline_parallel_cost_file`` reads that file back.
 """
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import replace
@@ -100,18 +101,31 @@ class Calibration:
 
     def _block_means(self, kind_of: Callable[[str, int], str | None]) -> dict[tuple[str, int], float]:
         """(kind, pipeline rank) -> mean seconds per block and microbatch over the recorded steps, each action's
-        kind as ``kind_of(kind, stage)`` names it (None: left out)."""
+        kind as ``kind_of(kind, stage)`` names it (None: left out). A block counts as its share of the mean
+        block's price in the FLOP model (``units``), so ranks that hold cheaper or dearer blocks compare at one
+        pace: counted one each, a rank of light blocks read as a fast one, and the pace fit took that for how its
+        wait slowed the other (timed sleeps of unequal blocks fitted k = -0.47 where the ranks ran alike)."""
+        starts = [1 + sum(self.counts[:s]) for s in range(len(self.counts))]
         total: dict[tuple[str, int], list[float]] = {}
         for kind, stage, part, seconds in self.parts:
             if part == "blocks" and self.counts[stage] and (named := kind_of(kind, stage)) is not None:
                 acc = total.setdefault((named, self.owner[stage]), [0.0, 0.0])
                 acc[0] += seconds
-                acc[1] += self.counts[stage]
+                acc[1] += self._blocks_priced(kind, stage, starts[stage])
         return {key: t / n for key, (t, n) in total.items()}
 
+    def _blocks_priced(self, kind: str, stage: int, start: int) -> float:
+        """How many mean blocks ``stage``'s blocks are worth in a ``kind`` action by the FLOP model (the first
+        stage's W is its whole backward, priced as B); their count where the model prices blocks at nothing."""
+        priced = "B" if (kind, stage) == ("W", 0) else kind
+        values = self.units.parts[priced]
+        mean = math.fsum(values[1:-1]) / (len(values) - 2)
+        count = self.counts[stage]
+        return math.fsum(values[start:start + count]) / mean if mean > 0 else float(count)
+
     def _per_block(self) -> str:
-        """Each pipeline rank's mean seconds per block and microbatch by action kind, over the recorded steps
-        (the first stage's split backward, its W, counts as B)."""
+        """Each pipeline rank's mean seconds per block (of the mean block's price) and microbatch by action kind,
+        over the recorded steps (the first stage's split backward, its W, counts as B)."""
         means = self._block_means(lambda kind, stage: "B" if (kind, stage) == ("W", 0) else kind)
         ranks = range(self.program.num_ranks)
         kinds = [f"{k} " + " / ".join(f"{1e3 * means[(k, r)]:.2f}" for r in ranks) + " ms"
