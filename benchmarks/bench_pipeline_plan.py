@@ -76,6 +76,12 @@ MODELS = {
     "8x8k": ["--model.overrides.n_layers", "8", "--model.overrides.vocab_size", "8192"],
     # a second held-out shape (2026-11-27): its output part costs about 4.8 blocks by FLOPs
     "10x16k": ["--model.overrides.n_layers", "10", "--model.overrides.vocab_size", "16384"],
+    # parts that sleep known times (benchmarks/sleep_model.py): the FLOP model prices them exactly, so what is
+    # left is the simulation against torch's schedules; not run by default
+    "sleep": ["--model.modules", "sleep_model", "--model.name", "sleep", "--model.flavor", "equal",
+              "--model.attn_mask_type", "causal"],
+    "sleep_unequal": ["--model.modules", "sleep_model", "--model.name", "sleep", "--model.flavor", "unequal",
+                      "--model.attn_mask_type", "causal"],
 }
 COMMON = ["--training.steps", "{steps}", "--lr_scheduler.warmup_steps", "1", "--validation.no-enable",
           "--metrics.no-enable_tensorboard", "--metrics.log_freq", "1000",
@@ -229,7 +235,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "--parallelism.pipeline_parallel_split_points", points(counts), "--job.dump_folder", str(dumps[i]),
             "--profiling.pipeline_timeline_steps", ",".join(map(str, timed[i]))] for i, counts in enumerate(runs)]}))
         worker.write_text(WORKER.format(repo=str(REPO)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",  # the sleep models' family is importable by name in every process
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "benchmarks"), os.environ.get("PYTHONPATH")]))}
     # each part timed in one process (python -m trainer.measure_costs), right before the launch: the costs a
     # user gets without running the pipeline
     one_device = tmp / f"{model}_{schedule}_one_device.json"

@@ -350,3 +350,42 @@ def test_the_pace_models_replay_and_fit_what_they_say(monkeypatch):
                                         "backward": [0.013 * (1 + 0.2 * x) for x in b]}}
             for b in ([0.1, 0.4], [0.3, 0.05])]
     assert paces.fit_own_wait(rows) == pytest.approx(0.2)
+
+
+def test_the_sleep_models_cost_what_the_flop_model_prices(monkeypatch):
+    """bench_pipeline_plan's sleep models (benchmarks/sleep_model.py) measure the simulation alone only if the FLOP
+    model prices them exactly: each part's F, I and W are its milliseconds over the mean block's. And torch's split
+    backward must find each sleep where the FLOP model puts it: the input's gradient runs the input's sleep alone,
+    the weight's gradient the weight's alone, the whole backward both (sleeps recorded, not timed)."""
+    import statistics
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.conftest import load_plan
+
+    bench = load_script(REPO / "benchmarks" / "bench_pipeline_plan.py", monkeypatch)  # benchmarks/ on sys.path
+    import sleep_model
+
+    for name in ("sleep", "sleep_unequal"):
+        plan = load_plan(bench.MODELS[name] + [a.format(steps=10) for a in bench.COMMON]
+                         + ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"], 2)
+        a = plan.model_args
+        blocks = [a.block_ms[i % len(a.block_ms)] for i in range(a.n_layers)]
+        mean = statistics.fmean(blocks)
+        expected = [0.0, *(ms / mean for ms in blocks), a.post_ms / mean]  # the embedding: no sleep
+        for kind in ("F", "I", "W"):
+            assert plan.pipeline_costs.parts[kind] == pytest.approx(expected, rel=1e-4), (name, kind)
+    assert len(set(bench.MODELS)) == len(bench.MODELS)
+
+    slept = []
+    monkeypatch.setattr(sleep_model, "time", SimpleNamespace(sleep=slept.append))
+    part = sleep_model.SleepPart(4, 5.0)
+    torch.nn.init.ones_(part.weight)
+    x = torch.ones(1, 3, 4, requires_grad=True)
+    y = part(x).sum()
+    assert slept == [0.005]  # F: the input's path; the weight's is free in the forward
+    for inputs, sleeps in (([x], 1), ([part.weight], 1), ([x, part.weight], 2)):
+        slept.clear()
+        torch.autograd.grad(y, inputs, retain_graph=True)
+        assert slept == [0.005] * sleeps, inputs
