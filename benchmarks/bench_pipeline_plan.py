@@ -224,10 +224,18 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     spec = tmp / f"{model}_{schedule}.json"
     out = tmp / f"{model}_{schedule}_steps.json"
     launch = not (args.reuse and out.exists())
-    # a kept launch's steps are matched to splits by its order: reusing them takes the settings it ran with
-    if not launch and (not spec.exists() or json.loads(spec.read_text())["order"] != order):
-        raise KeptLaunchDiffers(f"--reuse: the launch kept in {tmp} for {model} {schedule} ran another order of"
-                                " steps; pass the --warmup, --repeats and --max-splits it ran with")
+    # a kept launch's steps are matched to splits by its order and its list of splits (the planner's first): reusing
+    # them takes the settings it ran with, and a planner that still chooses the split it chose
+    if not launch:
+        kept = json.loads(spec.read_text()) if spec.exists() else None
+        if kept is None or kept["order"] != order:
+            raise KeptLaunchDiffers(f"--reuse: the launch kept in {tmp} for {model} {schedule} ran another order of"
+                                    " steps; pass the --warmup, --repeats and --max-splits it ran with")
+        ran = [args_[args_.index("--parallelism.pipeline_parallel_split_points") + 1] for args_ in kept["runs"]]
+        if ran != [points(c) for c in runs]:
+            raise KeptLaunchDiffers(f"--reuse: the launch kept in {tmp} for {model} {schedule} ran the splits {ran}"
+                                    f" (the planner's first), this planner's list is {[points(c) for c in runs]}:"
+                                    " its steps would be read as other splits'")
     base = job(max(totals))  # the most steps any trainer takes
     worker = tmp / "worker.py"
     if launch:  # a report from kept steps leaves their launch's files as they are

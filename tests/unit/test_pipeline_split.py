@@ -178,16 +178,20 @@ def _independent_bubble(schedule: str, p: int, m: int, v: int) -> float:
 
     cost = {"F": 1.0 / v, "B": 2.0 / v, "I": 1.0 / v, "W": 1.0 / v}  # a stage holds 1/v of a rank's layers
     order: dict[tuple, tuple[int, int]] = {}  # (kind, stage, mb) -> (rank, position)
+    sent: dict[tuple, tuple] = {}  # an action of an overlapped pair -> the pair's last: torch sends after the pair
     per_rank = []
     for r, rank_ops in enumerate(get_schedule_ops(schedule, p, m, num_stages_per_rank=v)):
         flat = []
-        stack = [a for a in reversed(rank_ops) if a is not None]
-        while stack:
-            a = stack.pop()
-            if a.sub_actions:
-                stack.extend(reversed(a.sub_actions))
-            elif a.computation_type.value in cost:
-                flat.append((a.computation_type.value, a.stage_index, a.microbatch_index))
+        for top in rank_ops:
+            stack, mine = ([top] if top is not None else []), []
+            while stack:
+                a = stack.pop()
+                if a.sub_actions:
+                    stack.extend(reversed(a.sub_actions))
+                elif a.computation_type.value in cost:
+                    mine.append((a.computation_type.value, a.stage_index, a.microbatch_index))
+            sent.update({node: mine[-1] for node in mine})
+            flat += mine
         for i, node in enumerate(flat):
             order[node] = (r, i)
         per_rank.append(flat)
@@ -207,6 +211,8 @@ def _independent_bubble(schedule: str, p: int, m: int, v: int) -> float:
                     deps.append(("B", stage + 1, mb) if ("B", stage + 1, mb) in order else ("I", stage + 1, mb))
             if kind == "W":
                 deps.append(("I", stage, mb))
+            # an input from another rank is there once its rank has sent it
+            deps = [sent[d] if order[d][0] != r else d for d in deps]
             finish[node] = max((end(d) for d in deps), default=0.0) + cost[kind]
         return finish[node]
 
@@ -220,6 +226,51 @@ def _independent_bubble(schedule: str, p: int, m: int, v: int) -> float:
                                       "DualPipeV"])
 def test_bubble_of_multi_stage_schedules_matches_an_independent_simulation(schedule, p, m):
     assert bubble_fraction(schedule, p, m, 2) == pytest.approx(_independent_bubble(schedule, p, m, 2))
+
+
+def test_an_overlapped_pairs_outputs_leave_its_rank_when_the_pair_is_done():
+    """torch lowers an overlapped pair (DualPipeV's OVERLAP_F_B) as the pair, then its actions' sends: a forward run
+    in a pair reaches the next rank only after the pair's backward. Hand-worked, stage 0 on rank 0 and stage 1 on
+    rank 1, F 1 and B 2, free transfers; rank 0 runs 0F0, then 0F1 paired with 0B0, then 0B1:
+    rank 0 0F0 [0, 1]; rank 1 1F0 [1, 2], 1B0 [2, 4]; rank 0 0F1 [1, 2], then 0B0 waits for 1B0: [4, 6], and only
+    then is 0F1's output sent: rank 1 1F1 [6, 7], 1B1 [7, 9]; rank 0 0B1 [9, 11]. Sent as soon as made, 1F1 would
+    start at 4 and the step end at 9."""
+    from trainer.parallel.schedule_sim import compile_program, replay
+
+    queues = [[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)],
+              [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1)]]
+    table = [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]  # KIND_INDEX order: F, B, I, W
+    paired = compile_program(queues, 2, {("F", 0, 1): ("B", 0, 0)})
+    spans: list = []
+    assert replay(paired, table, spans=spans)[0] == 11.0
+    assert {(k, s, mb): (a, b) for _, k, s, mb, a, b in spans}[("F", 1, 1)] == (6.0, 7.0)
+    assert replay(compile_program(queues, 2), table)[0] == 9.0
+
+
+def test_dualpipev_is_replayed_with_each_pairs_sends_after_the_pair():
+    """torch's own DualPipeV lists (pp 2 and 4): with a backward ten times a forward and a transfer of 0.5, every input
+    that a pair's forward or backward makes for another rank is used no sooner than 0.5 after the pair's last action
+    ends, and the step is longer than with every input sent when made (the rule changes the replay)."""
+    from trainer.parallel.schedule_sim import KIND_INDEX, _queues, compile_program, replay
+
+    for pp, m in ((2, 8), (4, 8)):
+        queues, sent_after = _queues("DualPipeV", pp, m, 2)
+        assert sent_after and all(x[0] == "F" and last[0] in "BI" or x[0] in "BI" and last[0] == "F"
+                                  for x, last in sent_after.items())  # a pair is a forward and a backward
+        program = program_for("DualPipeV", pp, m, 2)
+        cost = {"F": 1.0, "B": 10.0, "I": 5.0, "W": 5.0}
+        table = [[cost[k]] * (2 * pp) for k in KIND_INDEX]
+        spans: list = []
+        step = replay(program, table, 0.5, spans)[0]
+        assert step > replay(compile_program(queues, 2 * pp), table, 0.5)[0], pp
+        at = {(k, s, mb): (r, a, b) for r, k, s, mb, a, b in spans}
+        for (kind, stage, mb), last in sent_after.items():
+            made_on = at[(kind, stage, mb)][0]
+            used_by = ("F", stage + 1, mb) if kind == "F" else next(
+                (k, stage - 1, mb) for k in "BI" if (k, stage - 1, mb) in at)
+            if kind == "F" and stage == 2 * pp - 1 or kind != "F" and stage == 0 or at[used_by][0] == made_on:
+                continue  # no input for another rank
+            assert at[used_by][1] >= at[last][2] + 0.5 - 1e-9, ((kind, stage, mb), used_by)
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 32)])

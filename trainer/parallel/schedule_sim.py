@@ -98,7 +98,7 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
                         f"{key}: {path} row {owner[stage] + 1}: {stage}{later}{mb} comes before {stage}{earlier}{mb}"
                     )
     try:
-        _run(rows, num_stages)
+        _run(rows, num_stages=num_stages)
     except Deadlock as e:
         stuck = "; ".join(f"rank {r} at {s}{k}{mb}" for r, (k, s, mb) in e.blocked)
         raise ConfigError(f"{key}: {path}: this order cannot run, every rank waits for another ({stuck})") from None
@@ -153,7 +153,9 @@ class Program:
     An action starts when its rank is free and its inputs exist: a forward needs the previous
     stage's forward of the microbatch, a backward (B or I) its own forward and the next stage's
     backward of the microbatch, a weight gradient its own input gradient. An input made on another
-    rank arrives ``send`` after it was made (one activation or gradient transfer)."""
+    rank arrives ``send`` after it was sent (one activation or gradient transfer): when it was made,
+    or, for an action run as part of an overlapped pair (DualPipeV's OVERLAP_F_B), when the pair's
+    last action is done (see ``_lowered``)."""
 
     actions: tuple[tuple[str, int, int], ...]
     """(kind, stage, microbatch) of every action; index = action id."""
@@ -171,7 +173,11 @@ class Program:
         return {self.actions[a][1]: r for r, ids in enumerate(self.order) for a in ids}
 
 
-def compile_program(queues: list[list[tuple[str, int, int]]], num_stages: int) -> Program:
+def compile_program(queues: list[list[tuple[str, int, int]]], num_stages: int,
+                    sent_after: dict[tuple[str, int, int], tuple[str, int, int]] | None = None) -> Program:
+    """``sent_after``: {action: the action of its rank after which torch sends its output} where that is a later
+    one (``_lowered``); an input for another rank waits for that one."""
+    sent_after = sent_after or {}
     actions = [a for q in queues for a in q]
     ids = {a: i for i, a in enumerate(actions)}
     owner = {stage: r for r, q in enumerate(queues) for _, stage, _ in q}
@@ -181,8 +187,11 @@ def compile_program(queues: list[list[tuple[str, int, int]]], num_stages: int) -
         i += len(q)
 
     def dep(stage: int, *kinds: str, mb: int, me: int) -> tuple[int, bool]:
-        found = [ids[(k, stage, mb)] for k in kinds if (k, stage, mb) in ids]
-        return (found[0] if found else -1, owner.get(stage, me) != me)
+        found = [(k, stage, mb) for k in kinds if (k, stage, mb) in ids]
+        cross = owner.get(stage, me) != me
+        if not found:
+            return -1, cross
+        return ids[sent_after.get(found[0], found[0]) if cross else found[0]], cross
 
     deps = []
     for kind, stage, mb in actions:
@@ -308,11 +317,29 @@ def critical_path(program: Program, spans: list, send: float = 0.0) -> tuple[lis
 
 def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
     """(makespan, busy time summed over ranks) running each rank's torch actions in order (see ``_run``)."""
-    return _run([[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops], num_stages)
+    return _run(*_lowered(ops), num_stages=num_stages)
 
 
-def _run(queues: list[list[tuple[str, int, int]]], num_stages: int, spans: list | None = None,
-         cost: Callable[[str, int], float] | None = None) -> tuple[float, float]:
+def _lowered(ops: list[list]) -> tuple[list[list[tuple[str, int, int]]], dict]:
+    """Each rank's compute actions in order (torch's action lists flattened), and {action: the action after which
+    its output is sent} for the actions an overlapped pair (OVERLAP_F_B, DualPipeV's) runs before its last: torch's
+    lowering (``schedules._add_send_recv``) puts the pair, then the sends of its actions, so a forward's output
+    leaves its rank only once the pair's backward is done too. (Replayed with the forward's output sent at once,
+    parts that sleep known times measured ranks waiting up to 8 points more than predicted under DualPipeV.)"""
+    queues, sent_after = [], {}
+    for rank_ops in ops:
+        queue = []
+        for a in rank_ops:
+            flat = _flatten(a)
+            for x in flat[:-1]:
+                sent_after[x] = flat[-1]
+            queue += flat
+        queues.append(queue)
+    return queues, sent_after
+
+
+def _run(queues: list[list[tuple[str, int, int]]], sent_after: dict | None = None, *, num_stages: int,
+         spans: list | None = None, cost: Callable[[str, int], float] | None = None) -> tuple[float, float]:
     """(makespan, busy time summed over ranks) of ``replay`` with ``cost(kind, stage)`` as each action's
     duration (default: ``COST``, with a stage being 1/v of a rank's layers) and free communication."""
     if cost is None:
@@ -320,7 +347,7 @@ def _run(queues: list[list[tuple[str, int, int]]], num_stages: int, spans: list 
         cost = lambda kind, stage: COST[kind] / v  # noqa: E731
     used = {(kind, stage) for q in queues for kind, stage, _ in q}  # ``cost`` may know only these
     table = [[cost(k, s) if (k, s) in used else 0.0 for s in range(num_stages)] for k in KIND_INDEX]
-    makespan, busy = replay(compile_program(queues, num_stages), table, spans=spans)
+    makespan, busy = replay(compile_program(queues, num_stages, sent_after), table, spans=spans)
     return makespan, sum(busy)
 
 
@@ -338,25 +365,24 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank
 def simulated_spans(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[tuple]:
     """(rank, kind, stage, microbatch, start, end) of every action in the simulation (F = 1 unit)."""
     spans: list[tuple] = []
-    _run(_queues(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank, spans)
+    _run(*_queues(schedule, pp, n_microbatches, stages_per_rank), num_stages=pp * stages_per_rank, spans=spans)
     return spans
 
 
 def program_for(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int, csv: str = "") -> Program:
     """The compiled action lists of a named schedule, or of the CSV file ``csv`` for a schedule from a file."""
     if traits_of(schedule).from_file:
-        queues = [[(k, s, m) for s, k, m in row] for row in csv_rows(csv)]
-    else:
-        queues = _queues(schedule, pp, n_microbatches, stages_per_rank)
-    return compile_program(queues, pp * stages_per_rank)
+        return compile_program([[(k, s, m) for s, k, m in row] for row in csv_rows(csv)], pp * stages_per_rank)
+    queues, sent_after = _queues(schedule, pp, n_microbatches, stages_per_rank)
+    return compile_program(queues, pp * stages_per_rank, sent_after)
 
 
-def _queues(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[list[tuple[str, int, int]]]:
+def _queues(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> tuple[list[list], dict]:
+    """``_lowered``'s queues and sends of the schedule's actions."""
     order = traits_of(schedule).order
     if order != "torch":  # torch's action lists for one stage per rank are not usable here
-        return [_one_stage_ops(order, pp, n_microbatches, r) for r in range(pp)]
-    ops = schedule_ops(schedule, pp, n_microbatches, stages_per_rank)
-    return [[x for a in rank_ops for x in _flatten(a)] for rank_ops in ops]
+        return [_one_stage_ops(order, pp, n_microbatches, r) for r in range(pp)], {}
+    return _lowered(schedule_ops(schedule, pp, n_microbatches, stages_per_rank))
 
 
 def replayed_span(program: Program, actions: list[tuple[str, int, float]], spans: list | None = None) -> float:
