@@ -273,6 +273,41 @@ def test_dualpipev_is_replayed_with_each_pairs_sends_after_the_pair():
             assert at[used_by][1] >= at[last][2] + 0.5 - 1e-9, ((kind, stage, mb), used_by)
 
 
+@pytest.mark.parametrize("schedule", ["DualPipeV", "ZBVZeroBubble", "Interleaved1F1B"])
+def test_the_replay_sends_each_output_where_torchs_lowering_sends_it(schedule):
+    """The rule against torch itself: in torch's own lowered lists (compute and communication), each SEND follows
+    some compute action on its rank; for every output sent to another rank, that action is the one ``_lowered``
+    says (the pair's last for an action run in an overlapped pair, the action itself otherwise). Fails if torch
+    moves its sends, where the replay would be wrong again."""
+    import inspect
+
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from trainer.parallel.schedule_sim import _flatten, _lowered, schedule_ops
+
+    if "with_comms" not in inspect.signature(get_schedule_ops).parameters:
+        pytest.skip("this torch's get_schedule_ops gives no lowered lists (with_comms)")
+    for pp in (2, 4):
+        queues, sent_after = _lowered(schedule_ops(schedule, pp, 8, 2))
+        made = {a for q in queues for a in q}
+        after: dict[tuple, tuple] = {}  # an output sent to another rank -> the compute action its SEND follows
+        for rank_ops in get_schedule_ops(schedule, pp, 8, num_stages_per_rank=2, with_comms=True):
+            last = None
+            for a in rank_ops:
+                if a is None:
+                    continue
+                if flat := _flatten(a):
+                    last = flat[-1]
+                elif a.computation_type.name in ("SEND_F", "SEND_B"):
+                    kinds = "F" if a.computation_type.name == "SEND_F" else "BI"
+                    output = next((k, a.stage_index, a.microbatch_index) for k in kinds
+                                  if (k, a.stage_index, a.microbatch_index) in made)
+                    after[output] = last
+        assert after, (schedule, pp)
+        assert after == {x: sent_after.get(x, x) for x in after}, (schedule, pp)
+        assert any(x != last for x, last in after.items()) == (schedule == "DualPipeV")
+
+
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 32)])
 def test_interleaving_divides_the_fill_and_drain(p, m):
     # Narayanan et al. 2021: with v stages per rank the bubble is (p - 1) / (v m + p - 1).

@@ -112,7 +112,7 @@ class Calibration:
                 acc = total.setdefault((named, self.owner[stage]), [0.0, 0.0])
                 acc[0] += seconds
                 acc[1] += self._blocks_priced(kind, stage, starts[stage])
-        return {key: t / n for key, (t, n) in total.items()}
+        return {key: t / n for key, (t, n) in total.items() if n > 0}  # blocks priced at nothing: no figure
 
     def _blocks_priced(self, kind: str, stage: int, start: int) -> float:
         """How many mean blocks ``stage``'s blocks are worth in a ``kind`` action by the FLOP model (the first
