@@ -231,7 +231,7 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
         if kept is None or kept["order"] != order:
             raise KeptLaunchDiffers(f"--reuse: the launch kept in {tmp} for {model} {schedule} ran another order of"
                                     " steps; pass the --warmup, --repeats and --max-splits it ran with")
-        ran = [args_[args_.index("--parallelism.pipeline_parallel_split_points") + 1] for args_ in kept["runs"]]
+        ran = [run[run.index("--parallelism.pipeline_parallel_split_points") + 1] for run in kept["runs"]]
         if ran != [points(c) for c in runs]:
             raise KeptLaunchDiffers(f"--reuse: the launch kept in {tmp} for {model} {schedule} ran the splits {ran}"
                                     f" (the planner's first), this planner's list is {[points(c) for c in runs]}:"
