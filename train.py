@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from trainer.errors import UserError, error_lines
+from trainer.errors import UserError, error_lines, lost_peer
 
 INTERRUPTED = 128 + signal.SIGINT  # run()'s status after Ctrl-C; the process then ends by SIGINT itself
 
@@ -54,7 +54,7 @@ def run(argv: list[str]) -> int:
         print(f"{f'rank {rank}: ' if rank else ''}interrupted (SIGINT)", file=sys.stderr)
         return INTERRUPTED
     except Exception as e:
-        if not _lost_peer(e):
+        if not lost_peer(e):
             raise
         # A consequence, not a cause: another rank died or hung first. The launcher's summary
         # names it; a traceback from every survivor would bury that line.
@@ -64,14 +64,6 @@ def run(argv: list[str]) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def _lost_peer(e: Exception) -> bool:
-    """Whether ``e`` is a collective or point-to-point failing because a peer died or stopped answering
-    (and not a failure of this rank's own, which keeps its traceback)."""
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
 
 
 if __name__ == "__main__":

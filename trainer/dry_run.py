@@ -42,6 +42,18 @@ def _split(dataset_path: str, split: str) -> str:
     return "prepared token shards, read whole" if is_prepared_path(dataset_path) else f"split {split!r}"
 
 
+def _checkpoint_line(checkpoint, world_size: int) -> str:
+    """Where and how checkpoints are saved; for saves in the background, which process group they use."""
+    line = (f"Checkpoints: every {checkpoint.interval} steps and at the last into <dump>/{checkpoint.folder}"
+            f" (DCP, each rank writes its share)")
+    if checkpoint.async_mode == "disabled":
+        return line + ", in the foreground"
+    line += f", in the background ({checkpoint.async_mode!r})"
+    if world_size > 1:
+        line += f"; their collectives run on a gloo process group of their own ({world_size} ranks)"
+    return line
+
+
 def _data_line(config) -> str:
     t = config.training
     opts = t.dataloader
@@ -80,6 +92,8 @@ def describe_plan(plan: JobPlan) -> str:
         what = "the whole set" if v.steps == -1 else f"{v.steps} global batches"
         lines.append(f"Validation: {v.dataset_path or v.dataset} ({_split(v.dataset_path, v.split)}), {what} every"
                      f" {v.freq} steps and after the last, forward only")
+    if config.checkpoint.enable:
+        lines.append(_checkpoint_line(config.checkpoint, dims.world_size))
     if data_parallel := dims.data_parallel():
         lines.append(f"Data parallel: {data_parallel}")
     if dims.cp > 1:

@@ -44,6 +44,14 @@ def not_found(key: str, path: object, what: str = "file not found") -> "UserErro
     return ConfigError(f"{key}: {what}: {shown}" + ("" if full == name else f" (looked for {full})"))
 
 
+def lost_peer(e: BaseException) -> bool:
+    """Whether ``e`` is a collective or point-to-point failing because a peer died or stopped answering
+    (and not a failure of this rank's own, which keeps its traceback)."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        marker in text for marker in ("Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
+
+
 class TrainingDiverged(UserError):
     """The loss became NaN or infinite."""
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.agreement import MEMORY_ENTRY, check_same_data, check_same_job
-from trainer.checkpoint import Checkpointer, GlobalBatch
+from trainer.checkpoint import Checkpointer, GlobalBatch, build_save_group
 from trainer.config import JobConfig, to_toml
 from trainer.config.render import config_fingerprint
 from trainer.config.validate import output_folders
@@ -225,6 +225,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         hf_writer=not dist.is_initialized() or dist.get_rank() % (dims.world_size // dims.pp) == 0,
         batch=GlobalBatch(plan.global_batch_size, config.training.global_batch_size == -1, plan.global_batch_parts),
         tokenizer=tokenizer, attention=config.model.attn_mask_type,
+        save_group=build_save_group(config.checkpoint, config.comm.init_timeout_seconds),
     )
     timeline = None
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:
@@ -396,6 +397,12 @@ def train_loop(run: Trainer, observer: StepObserver | None = None) -> TrainResul
             run.checkpointer.wait()
         if observer is not None:
             observer.on_end(run.parts)
+    except KeyboardInterrupt:
+        raise  # Ctrl-C ends the process at once, a save's writer thread with it: that save is never published
+    except BaseException:
+        with watchdog.paused() if watchdog is not None else contextlib.nullcontext():
+            run.checkpointer.abandon()  # bounded by the save group's timeout
+        raise
     finally:
         if watchdog is not None:
             watchdog.stop()

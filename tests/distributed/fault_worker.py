@@ -3,7 +3,10 @@
     FAULT=die|hang|stall torchrun --nproc_per_node 2 tests/distributed/fault_worker.py --section.key value ...
 die: rank 1 kills itself (SIGKILL). hang: rank 1 stops itself (SIGSTOP) and never answers again, not even
 torchrun's SIGTERM (it is killed 30 s later). stall: rank 1 waits forever in Python; it never answers
-its peers, and a SIGTERM ends it.
+its peers, and a SIGTERM ends it. disk_full: rank 1's write of checkpoint SLOW_SAVE's step fails with ENOSPC.
+
+SLOW_SAVE=NAME:SECONDS makes every rank's write of checkpoint NAME (step-4, say) take SECONDS longer, so that a
+fault at the next step lands while that save runs in the background.
 """
 
 import os
@@ -23,7 +26,8 @@ calls = {"n": 0}
 
 def failing_step(*args, **kwargs):
     calls["n"] += 1
-    if calls["n"] == int(os.environ.get("FAULT_STEP", "3")) and os.environ.get("RANK") == "1":
+    if (calls["n"] == int(os.environ.get("FAULT_STEP", "3")) and os.environ.get("RANK") == "1"
+            and os.environ["FAULT"] != "disk_full"):
         if os.environ["FAULT"] == "stall":
             while True:
                 time.sleep(3600)
@@ -32,4 +36,21 @@ def failing_step(*args, **kwargs):
 
 
 train_mod.train_step = failing_step
+
+if os.environ.get("SLOW_SAVE"):
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    slow_name, seconds = os.environ["SLOW_SAVE"].split(":")
+    real_write = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if f"{slow_name}.tmp" in str(self.path):
+            time.sleep(float(seconds))
+            if os.environ.get("FAULT") == "disk_full" and os.environ.get("RANK") == "1":
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return real_write(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
 sys.exit(run(sys.argv[1:]))

@@ -551,3 +551,20 @@ def test_a_resume_with_another_attention_says_so(tmp_path, caplog, monkeypatch):
     caplog.clear()
     train(args + ["--training.stop_at_step", "3"], tmp_path / "old")
     assert "step-2 was trained before [model] attn_mask_type existed, with causal attention" in caplog.text
+
+
+def test_the_dry_run_says_how_checkpoints_are_saved():
+    from trainer.dry_run import describe_plan
+    from trainer.plan import build_job_plan
+
+    def line(world: int, *args: str) -> str:
+        plan = build_job_plan(load_config(overrides=["--checkpoint.enable", *args]), world, check_memory=False)
+        return next(t for t in describe_plan(plan).splitlines() if t.startswith("Checkpoints:"))
+
+    assert line(1).endswith("in the foreground")
+    assert line(1, "--checkpoint.async_mode", "async").endswith("in the background ('async')")
+    assert line(4, "--checkpoint.async_mode", "async_with_pinned_mem", "--checkpoint.interval", "50").endswith(
+        "every 50 steps and at the last into <dump>/checkpoint (DCP, each rank writes its share), in the background"
+        " ('async_with_pinned_mem'); their collectives run on a gloo process group of their own (4 ranks)")
+    plan = build_job_plan(load_config(overrides=[]), 1, check_memory=False)
+    assert "Checkpoints:" not in describe_plan(plan)

@@ -21,10 +21,10 @@ Modules: ``checkpointer`` (state, save and publish, load, the export trigger), `
 run continues from and what it checks), ``manifest`` (checksums), ``torch_dcp`` (the seams to DCP).
 """
 
-from trainer.checkpoint.checkpointer import PARTS, Checkpointer
+from trainer.checkpoint.checkpointer import PARTS, Checkpointer, build_save_group
 from trainer.checkpoint.manifest import MANIFEST, find_damage, hash_share, merge_shares
 from trainer.checkpoint.resume import GlobalBatch, complete_steps
 from trainer.checkpoint.torch_dcp import dcp_errors, first_failure
 
-__all__ = ["MANIFEST", "PARTS", "Checkpointer", "GlobalBatch", "complete_steps", "dcp_errors", "find_damage",
-           "first_failure", "hash_share", "merge_shares"]
+__all__ = ["MANIFEST", "PARTS", "Checkpointer", "GlobalBatch", "build_save_group", "complete_steps", "dcp_errors",
+           "find_damage", "first_failure", "hash_share", "merge_shares"]

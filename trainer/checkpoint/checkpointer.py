@@ -3,6 +3,7 @@ published by a rename (see the package docstring), restored under any layout, an
 triggered at the end of training."""
 
 import concurrent.futures
+import datetime
 import logging
 import re
 import shutil
@@ -21,12 +22,29 @@ from trainer.config import schema
 from trainer.config.schema import CHECKPOINT_PARTS
 from trainer.dtensor import local_tensor
 from trainer.dtypes import torch_dtype
-from trainer.errors import UserError
+from trainer.errors import UserError, lost_peer
 
 logger = logging.getLogger(__package__)
 
 # The LR schedule is a function of the step counter in train_state, so it is not a part of its own.
 PARTS = CHECKPOINT_PARTS
+
+
+def build_save_group(checkpoint: schema.Checkpoint, timeout_seconds: int):
+    """The process group of this job's asynchronous saves, or None (one process, or saves in the foreground).
+
+    DCP's asynchronous save runs its collectives (planning, the metadata's gather) in a background thread while
+    training goes on. On the training step's groups the two would interleave: gloo aborts on a collective mismatch
+    or both sides wait (issue 66), and NCCL would be the same defect. A gloo group of its own (DCP needs a CPU
+    backend there, also on GPUs) keeps them apart. Every rank creates it at start, in the same order; it starts with
+    the set-up timeout and takes the train timeout with every other group after the first step."""
+    if not dist.is_initialized() or not checkpoint.enable or checkpoint.async_mode == "disabled":
+        return None
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_seconds))
+    logger.info("checkpoint: saves in the background ([checkpoint] async_mode = %r) run their collectives on a gloo"
+                " process group of their own (%d ranks), apart from the training step's", checkpoint.async_mode,
+                dist.get_world_size())
+    return group
 
 
 def _state_bytes(state) -> int:
@@ -44,12 +62,13 @@ class Checkpointer:
 
     def __init__(self, checkpoint: schema.Checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
                  pp_rank: int = 0, pp: int = 1, hf_writer: bool = True, batch: "GlobalBatch | None" = None,
-                 tokenizer=None, attention: str = ""):
+                 tokenizer=None, attention: str = "", save_group=None):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
         rank's file of a Hugging Face export (one writer per pipeline rank). ``batch`` is this run's global
         batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer (its identity likewise; its
         files go into the Hugging Face export); ``attention`` the ``[model] attn_mask_type``, saved and compared
-        on resume."""
+        on resume. ``save_group`` is the process group of asynchronous saves (``build_save_group``; None in one
+        process)."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
@@ -60,6 +79,7 @@ class Checkpointer:
         self.tokenizer = tokenizer.identity if tokenizer is not None else ""
         self.tokenizer_files = tokenizer
         self.attention = attention
+        self.save_group = save_group
         self.pending = None  # (future, name) of an asynchronous save in flight
         self._began: dict[str, float] = {}  # when each save in progress started (for the "saved" line)
         self._background = None  # the thread that finishes an asynchronous save: waits for DCP, then hashes
@@ -171,12 +191,13 @@ class Checkpointer:
             try:
                 if self.pinned and (self._stager is None or not stager_keeps_buffers()):
                     self._stager = pinned_stager()
-                saving = dcp().async_save(state, checkpoint_id=str(tmp), async_stager=self._stager)
+                saving = dcp().async_save(state, checkpoint_id=str(tmp), async_stager=self._stager,
+                                          process_group=self.save_group)
             except dcp_errors() as e:
                 raise self._save_failed(name, e) from None
             if self._background is None:
                 self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-            self.pending = (self._background.submit(self._finish_files, saving, tmp), name)
+            self.pending = (self._background.submit(self._finish_files, saving, name), name)
         else:
             try:
                 dcp().save(state, checkpoint_id=str(tmp))
@@ -187,12 +208,15 @@ class Checkpointer:
                 hash_share(tmp)
             self._publish(name)
 
-    def _finish_files(self, saving, tmp: Path) -> None:
-        """Background part of an asynchronous save: DCP's write (which ends with every rank's files and
-        the metadata written), then this rank's share of the checksums."""
+    def _finish_files(self, saving, name: str) -> None:
+        """Background part of an asynchronous save: DCP's write (which ends with every rank's files and the metadata
+        written), this rank's share of the checksums, then the publication, so that a finished save is a checkpoint
+        at once and not only when the next save or the end of training waits for it. Its collectives are on the save
+        group, apart from the training step's."""
         saving.result()
         if self.cfg.verify:
-            hash_share(tmp)
+            hash_share(self.folder / f"{name}.tmp")
+        self._publish(name, self.save_group)
 
     def wait(self) -> None:
         """Finish an asynchronous save, if one is in flight."""
@@ -203,22 +227,41 @@ class Checkpointer:
                 future.result()
             except dcp_errors() as e:
                 raise self._save_failed(name, e) from None
-            self._publish(name)
 
-    def _save_failed(self, name: str, error: BaseException) -> UserError:
+    def abandon(self) -> None:
+        """The run stops (an error) while a save is in the background: this rank waits for the save to end (its
+        collectives end it at the latest at the save group's timeout), so that the process groups are not destroyed
+        under its thread. A save that could not finish is never published: its ``step-N.tmp`` stays (a resume
+        ignores it and the next save of that step replaces it) and the newest checkpoint is the one before it."""
+        if self.pending is None:
+            return
+        future, name = self.pending
+        self.pending = None
+        concurrent.futures.wait([future])
+        if future.exception() is not None:
+            newest = complete_steps(self.folder)
+            logger.warning("checkpoint %s: not published (the run stopped while it was saved in the background); the"
+                           " newest checkpoint is %s", name, f"step-{newest[-1]}" if newest else "none")
+
+    def _save_failed(self, name: str, error: BaseException) -> BaseException:
         """A save that could not be written (full or read-only disk, ...): its partial folder is removed, the
-        checkpoints before it are untouched, and the error names the folder and the cause."""
+        checkpoints before it are untouched, and the error names the folder and the cause. A save that failed
+        because another rank died or stopped answering gives that error instead, which the entry point reports
+        as lost contact."""
+        error = first_failure(error)
+        if lost_peer(error):
+            return error
         if rank() == 0:
             shutil.rmtree(self.folder / f"{name}.tmp", ignore_errors=True)
-        error = first_failure(error)
         cause = (error.strerror + (f" ({error.filename})" if error.filename else "")
                  if isinstance(error, OSError) and error.strerror
                  else f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
         return UserError(f"[checkpoint] folder: could not save {name} into {self.folder}: {cause}; the partial save"
                          f" was removed and the checkpoints saved before it are kept")
 
-    def _publish(self, name: str) -> None:
-        barrier()  # every rank's files (and checksum share) are written before the folder is published
+    def _publish(self, name: str, group=None) -> None:
+        """Rename ``name.tmp`` to ``name`` (rank 0), once every rank of ``group`` (default: the job) has written."""
+        barrier(group)  # every rank's files (and checksum share) are written before the folder is published
         if rank() == 0:
             if self.cfg.verify:
                 merge_shares(self.folder / f"{name}.tmp")
@@ -228,7 +271,7 @@ class Checkpointer:
             seconds = time.monotonic() - self._began.pop(name, time.monotonic())
             logger.info("checkpoint saved: %s (%.1f s)", final, seconds)
             self._purge()
-        barrier()
+        barrier(group)
 
     def _purge(self) -> None:
         keep = self.cfg.keep_latest_k

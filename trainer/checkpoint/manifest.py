@@ -99,6 +99,7 @@ def find_damage(folder: Path) -> str | None:
     return f"{name} {what[verdict]}{more}"
 
 
-def barrier() -> None:
+def barrier(group=None) -> None:
+    """Every rank of ``group`` (default: the whole job) gets here before any goes on."""
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
