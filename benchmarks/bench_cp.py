@@ -43,6 +43,7 @@ if plan.dims.world_size > 1:
     init_distributed(device, 300)
 trainer = build_trainer(plan, device, False)
 x, y = trainer.loader.next_step()[0]
+[kwargs] = trainer.parts.shard_inputs([{{k: v.to(device) for k, v in trainer.model_kwargs(x).items()}}])
 x, y = x.to(device), y.to(device)
 [(x, y)] = trainer.parts.shard_batch([(x, y)])
 storages = {{}}
@@ -50,7 +51,7 @@ def pack(t):
     storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return t
 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trainer.step_context():
-    summed_loss(trainer.parts.chunks[0](x), y)
+    summed_loss(trainer.parts.chunks[0](x, **kwargs), y)
 json.dump({{"saved": sum(storages.values())}}, open(sys.argv[1] + os.environ.get("RANK", "0"), "w"))
 if dist.is_initialized():
     dist.destroy_process_group()

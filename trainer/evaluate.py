@@ -50,7 +50,7 @@ class Evaluator:
     def run(self, parts: ModelParts, meshes: Meshes, device: torch.device, *, autocast, step_context,
             progress: Callable[[], None] = lambda: None,
             model_kwargs: Callable[[torch.Tensor], dict] = lambda inputs: {}) -> Evaluation:
-        """``model_kwargs(inputs)``: the model's keyword inputs of a host microbatch (its documents), as in
+        """``model_kwargs(inputs)``: the model's keyword inputs of a host microbatch (its positions), as in
         training."""
         start = time.perf_counter()
         self.loader.load_state_dict({"windows": 0})
@@ -61,7 +61,7 @@ class Evaluator:
         try:
             for batch in range(self.num_batches):
                 microbatches, kwargs_of = on_device(self.loader.next_step(), device, model_kwargs)
-                microbatches = parts.shard_batch(microbatches)
+                microbatches, kwargs_of = parts.shard_batch(microbatches), parts.shard_inputs(kwargs_of)
                 for (inputs, labels), kwargs in zip(microbatches, kwargs_of, strict=True):
                     with step_context():
                         if parts.schedule is None:
@@ -88,7 +88,8 @@ def pipeline_forward(parts: ModelParts, meshes: Meshes, inputs: torch.Tensor, la
                      kwargs: dict | None = None) -> list[torch.Tensor]:
     """Forward ``inputs`` through every pipeline stage in order (each stage also gets ``kwargs``); returns
     the summed loss on the rank holding the last stage (an empty list elsewhere). Activations cross ranks
-    as a header (dtype code, ndim, shape) followed by the tensor, so stages may return any shape."""
+    as their count, then each as a header (dtype code, ndim, shape) followed by the tensor, so stages may return
+    any number of tensors of any shape."""
     kwargs = kwargs or {}
     if parts.stage_batch is not None and inputs.shape[0] != parts.stage_batch:
         # Traced stages are specialised to one microbatch's shape: evaluate microbatch by microbatch.
@@ -101,36 +102,48 @@ def pipeline_forward(parts: ModelParts, meshes: Meshes, inputs: torch.Tensor, la
     owner = {s: r for r in range(plan.pp) for s in plan.stage_ids(r)}
     mine = dict(zip(parts.stage_ids, parts.chunks))
     me = meshes.world.get_local_rank("pp")
-    hidden, losses = inputs, []
+    traced = parts.stage_batch is not None
+    acts, losses = (inputs,), []
     for s in range(plan.num_stages):
         if owner[s] != me:
             continue
         if s > 0 and owner[s - 1] != me:
-            hidden = _recv(pp_ranks[owner[s - 1]], group, inputs.device)
-        hidden = mine[s](hidden, **kwargs)
+            acts = _recv(pp_ranks[owner[s - 1]], group, inputs.device)
+        # a traced stage after the first takes everything from the stage before it (no keyword inputs)
+        out = mine[s](*acts, **(kwargs if s == 0 or not traced else {}))
+        acts = out if isinstance(out, tuple) else (out,)
         if s == plan.num_stages - 1:
-            losses.append(summed_loss(hidden, labels))
+            losses.append(summed_loss(acts[0], labels))
         elif owner[s + 1] != me:
-            _send(hidden, pp_ranks[owner[s + 1]], group)
+            _send(acts, pp_ranks[owner[s + 1]], group)
     return losses
 
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
 _HEADER = 8  # dtype code, ndim, up to 6 sizes
 
 
-def _send(tensor: torch.Tensor, dst: int, group) -> None:
-    header = torch.zeros(_HEADER, dtype=torch.long, device=tensor.device)
-    header[:2] = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim()])
-    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
-    dist.send(header, dst=dst, group=group)
-    dist.send(tensor.contiguous(), dst=dst, group=group)
+def _send(tensors: tuple[torch.Tensor, ...], dst: int, group) -> None:
+    """A stage's outputs: their count, then each as a header and the tensor."""
+    device = tensors[0].device
+    dist.send(torch.tensor([len(tensors)], device=device), dst=dst, group=group)
+    for tensor in tensors:
+        header = torch.zeros(_HEADER, dtype=torch.long, device=device)
+        header[:2] = torch.tensor([_DTYPES.index(tensor.dtype), tensor.dim()])
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+        dist.send(header, dst=dst, group=group)
+        dist.send(tensor.contiguous(), dst=dst, group=group)
 
 
-def _recv(src: int, group, device: torch.device) -> torch.Tensor:
-    header = torch.empty(_HEADER, dtype=torch.long, device=device)
-    dist.recv(header, src=src, group=group)
-    code, ndim, *sizes = header.tolist()
-    tensor = torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=device)
-    dist.recv(tensor, src=src, group=group)
-    return tensor
+def _recv(src: int, group, device: torch.device) -> tuple[torch.Tensor, ...]:
+    count = torch.empty(1, dtype=torch.long, device=device)
+    dist.recv(count, src=src, group=group)
+    tensors = []
+    for _ in range(int(count)):
+        header = torch.empty(_HEADER, dtype=torch.long, device=device)
+        dist.recv(header, src=src, group=group)
+        code, ndim, *sizes = header.tolist()
+        tensor = torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=device)
+        dist.recv(tensor, src=src, group=group)
+        tensors.append(tensor)
+    return tuple(tensors)

@@ -20,6 +20,7 @@ each action adds besides its parts (zero; a timed pipeline run measures it), ten
 parallelism (refused: measure a job with both degrees 1).
 """
 
+import dataclasses
 import statistics
 import sys
 import time
@@ -183,6 +184,8 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
                               f" job with {key} = 1 (a timed pipeline run, --profiling.pipeline_timeline_steps,"
                               " measures a sharded job)")
     plan = build_job_plan(config, degrees_product(config), check_memory=False)
+    # [model] attn_mask_type made concrete ("auto" resolved), as the jobs it plans have it
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, attn_mask_type=plan.attn_mask_type))
     device = torch.device(device_name)
     dtype = compute_dtype(config.training.mixed_precision_param, device.type)
     model = plan.build_model()

@@ -76,6 +76,13 @@ class ModelParts:
             microbatches = [(technique.shard(x), technique.shard(y)) for x, y in microbatches]
         return microbatches
 
+    def shard_inputs(self, kwargs: list[dict]) -> list[dict]:
+        """This rank's part of each microbatch's per-token model inputs ((batch, seq) tensors: ``positions``), as
+        ``shard_batch`` does for the tokens."""
+        for technique in self.techniques:
+            kwargs = [{k: technique.shard(v) for k, v in inputs.items()} for inputs in kwargs]
+        return kwargs
+
     def step_context(self) -> contextlib.ExitStack:
         """Every technique's context around a microbatch's forward and backward (loss parallelism, context-parallel
         attention)."""
@@ -166,7 +173,10 @@ def build_model_parts(plan: JobPlan, meshes: Meshes, device: torch.device) -> Mo
             materialize_(whole, torch.device("cpu"), plan.seed)
             whole.train()
             mb = plan.microbatch_size
-            traced = trace_pipeline(whole, pipeline, torch.zeros(mb, plan.seq_len, dtype=torch.long))
+            example = torch.zeros(mb, plan.seq_len, dtype=torch.long)
+            # the positions reach every traced stage that needs them (torch passes a model input to each stage)
+            positions = {"positions": torch.arange(plan.seq_len).expand(mb, -1)} if plan.positions_always else {}
+            traced = trace_pipeline(whole, pipeline, example, positions)
             del whole
             chunks = [traced.get_stage_module(i) for i in stage_ids]
         else:

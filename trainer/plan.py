@@ -87,6 +87,18 @@ class JobPlan:
         """Whether pipeline stages come from torch's tracer (``pipeline_parallel_frontend = "tracer"``)."""
         return self.pipeline is not None and self.config.parallelism.pipeline_parallel_frontend == "tracer"
 
+    @property
+    def attn_mask_type(self) -> str:
+        """``[model] attn_mask_type``, "auto" resolved for the family (``resolve_attention``)."""
+        return self.config.model.attn_mask_type
+
+    @property
+    def positions_always(self) -> bool:
+        """Whether every batch gives the model its tokens' positions, not only a batch whose windows cross a
+        document boundary: under context parallelism (a rank holds parts of each sequence) and for traced stages
+        under block-causal attention (the graph has the input)."""
+        return self.spec.positions and (self.dims.cp > 1 or (self.traced and self.attn_mask_type == "block_causal"))
+
     # What the rank's build (trainer.model_parts) needs from the config, so that it never reads the config.
     @property
     def seed(self) -> int:
@@ -235,6 +247,24 @@ def _check_varlen(config: JobConfig, device: str | None) -> None:
                           ' wait for the device; use attn_backend = "sdpa"')
 
 
+def resolve_attention(config: JobConfig, spec: ModelSpec) -> JobConfig:
+    """``[model] attn_mask_type = "auto"`` made concrete: block_causal where the family takes document positions,
+    else causal, said once. An explicit block_causal for a family without positions is refused."""
+    model = config.model
+    if model.attn_mask_type == "block_causal" and not spec.positions:
+        raise ConfigError(f'[model] attn_mask_type = "block_causal": model family {spec.name} does not take document'
+                          ' positions (ModelSpec.positions); set [model] attn_mask_type = "causal" (or "auto")')
+    if model.attn_mask_type != "auto":
+        return config
+    if not spec.positions:
+        logger.warning("[model] attn_mask_type = \"auto\": model family %s does not take document positions"
+                       " (ModelSpec.positions), so it attends causally across the documents packed into a window"
+                       " (a token sees the end of the previous document); set attn_mask_type = \"causal\" to say"
+                       " so", spec.name)
+    resolved = "block_causal" if spec.positions else "causal"
+    return dataclasses.replace(config, model=dataclasses.replace(model, attn_mask_type=resolved))
+
+
 def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = True, world_name: str = "") -> JobPlan:
     """Decide and check everything about the job that needs no process group. Raises ConfigError.
 
@@ -243,7 +273,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     t, p = config.training, config.parallelism
     import_model_modules(config.model.modules)
     spec = get_model_spec(config.model.name)
-    config = adopt_imported_model(config, spec)
+    config = resolve_attention(adopt_imported_model(config, spec), spec)
     args = spec.with_seq_len(resolve_model_args(spec, config.model), t.seq_len)
     dims = ParallelDims.from_config(p, world_size, world_name)
     check_batch(t, dims.dp)
@@ -263,9 +293,8 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
         _check_logits_memory(config, dims, spec.vocab_size(args))
     whole = spec.meta_model(args)  # the plan's one model build: sizes, costs, split, TP plan
     check_techniques(PlanFacts(dims, spec, args, whole, p, config.model, config.compile.enable))
-    if config.model.attn_mask_type == "block_causal" and not spec.documents:
-        raise ConfigError(f'[model] attn_mask_type = "block_causal": model family {spec.name} does not take document'
-                          ' indices (ModelSpec.documents); set [model] attn_mask_type = "causal"')
+    if why := spec.parallel_limits(args, dims):
+        raise ConfigError(why)
     if config.model.attn_backend == "varlen":
         _check_varlen(config, device_type() if check_memory else None)
     num_params = sum(x.numel() for x in whole.parameters())

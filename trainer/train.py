@@ -245,7 +245,8 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         profiler = StepProfiler(config.profiling, config.job.dump_folder,
                                 rank=dist.get_rank() if dist.is_initialized() else 0, device=device)
     return Trainer(plan, meshes, device, parts, optimizers, loader, evaluator, metrics, checkpointer, autocast,
-                   parts.step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id, tokenizer.bos_id),
+                   parts.step_context, model_inputs(config.model.attn_mask_type, tokenizer.eos_id, tokenizer.bos_id,
+                                                    always=plan.positions_always),
                    timeline, profiler)
 
 
@@ -318,7 +319,8 @@ def run_step(run: Trainer, step: int, *, first: bool, observer: StepObserver | N
     microbatches, kwargs = on_device(run.loader.next_step(), run.device, run.model_kwargs)
     if run.timeline is not None:
         run.timeline.begin_step(step)
-    microbatches = run.parts.shard_batch(microbatches)  # this rank's part of each sequence (CP)
+    # this rank's part of each sequence (CP)
+    microbatches, kwargs = run.parts.shard_batch(microbatches), run.parts.shard_inputs(kwargs)
     metered = step in config.profiling.activation_memory_steps
     with SavedActivationMeter(run.parts.chunks) if metered else contextlib.nullcontext() as meter:
         loss, grad_norm = train_step(

@@ -16,7 +16,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB
        # the custom model families of tests/fixtures are importable by name in every rank
        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fixtures"), os.environ.get("PYTHONPATH", "")])}
 
-# Context parallelism and traced stages run causal attention only ([model] attn_mask_type, block_causal by default).
+# Causal attention across the documents of a window ([model] attn_mask_type; block_causal by default for Llama).
 CAUSAL = ["--model.attn_mask_type", "causal"]
 # Block-causal attention document by document (the CPU backend), against a single process that uses it too.
 VARLEN = ["--model.attn_backend", "varlen"]

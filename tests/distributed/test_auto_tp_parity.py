@@ -12,8 +12,8 @@ from tests.parity import assert_parity, record
 from trainer.config import load_config
 
 AUTO = [P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", P + "no-enable_sequence_parallel"]
-GPT = ["--model.attn_mask_type", "causal", "--model.modules", "tiny_gpt", "--model.name", "tiny_gpt",
-       "--model.flavor", "tiny"]
+# The family takes no positions: under the default attention ("auto") it runs causal attention, said once.
+GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
 # PARITY's Llama overrides do not apply to the GPT family: keep only the run settings.
 FAMILIES = {"llama": PARITY + ["--model.overrides.n_layers", "4"],
             "gpt": PARITY_RUN + GPT + ["--model.overrides.n_layers", "4"]}

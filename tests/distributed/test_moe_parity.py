@@ -26,6 +26,7 @@ MOE = ["--model.name", "moe", "--model.flavor", "debugmodel", M + "dim", "64", M
 assert PARITY[0] == "--model.overrides.dim" and PARITY[10] == "--training.seq_len"
 BASE = PARITY[10:] + MOE  # PARITY[:10] is the tiny Llama's shape
 EP2 = [P + "expert_parallel_degree", "2"]
+TIED = "--model.tie_embeddings"
 LAYERS4 = [M + "n_layers", "4"]
 
 
@@ -51,6 +52,20 @@ CASES = {
     "PP2xEP2-DualPipeV": (4, LAYERS4, pp("DualPipeV")),
     "EP2xTP2+varlen": (4, VARLEN, [*VARLEN, *EP2, P + "tensor_parallel_degree", "2",
                                    "--training.local_batch_size", "4"]),
+    # compositions (docs/parallelism.md's composition table names each pair's case)
+    "PP2xEP2-Interleaved1F1B-AC-tied-compile": (4, LAYERS4 + [TIED], pp("Interleaved1F1B") + [
+        TIED, "--activation_checkpoint.mode", "full", "--compile.enable"]),
+    "PP2xEP2-csv-SAC": (4, LAYERS4, [
+        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv4}",
+        P + "data_parallel_shard_degree", "2", *EP2, *LAYERS4, "--training.local_batch_size", "4",
+        "--activation_checkpoint.mode", "selective"]),
+    "DDP2+SAC-op+compile": (2, [], [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
+                                    "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                                    "--activation_checkpoint.selective_ac_option", "op", "--compile.enable"]),
+    # the sequence-wise balance loss needs whole sequences on a rank: context parallelism runs without it
+    "CP2xFSDP2": (4, [M + "aux_loss_coef", "0"], [M + "aux_loss_coef", "0", P + "context_parallel_degree", "2",
+                                                 P + "data_parallel_shard_degree", "2", "--training.local_batch_size",
+                                                 "4"]),
 }
 
 
@@ -71,8 +86,14 @@ def references(tmp_path_factory):
 METERED = ("EP2", "PP2xEP2-ZBV")  # these launches also measure the saved activations of step 2
 
 
-def case_overrides(name: str) -> list[str]:
+def case_overrides(name: str, folder=None) -> list[str]:
+    """The case's overrides; a CSV schedule ({csvN}: N microbatches) is written to ``folder``."""
     nproc, ref_extra, overrides = CASES[name]
+    for i, o in enumerate(overrides):
+        if o.startswith("{csv"):
+            from tests.distributed.test_pp_parity import write_csv
+
+            overrides = overrides[:i] + [str(write_csv(folder, int(o[4:-1] or 8)))] + overrides[i + 1:]
     return overrides + (["--profiling.activation_memory_steps", "2"] if name in METERED else [])
 
 
@@ -80,7 +101,8 @@ def case_overrides(name: str) -> list[str]:
 def launches(request, tmp_path_factory):
     """The selected cases, one shared launch per rank count."""
     names = [p["name"] for p in selected(request, "test_expert_parallel_layout_matches_single_process")]
-    return Launches(tmp_path_factory.mktemp("launches"), {n: (CASES[n][0], BASE + case_overrides(n)) for n in names})
+    folder = tmp_path_factory.mktemp("launches")
+    return Launches(folder, {n: (CASES[n][0], BASE + case_overrides(n, folder)) for n in names})
 
 
 @pytest.mark.slow
@@ -94,7 +116,7 @@ def test_expert_parallel_layout_matches_single_process(name, references, launche
     if name in METERED:  # the MoE estimate assumes an even share of routed rows per expert-parallel rank,
         # which the router only approaches: 15% slack for that reason
         check_activation_estimate(result["activation_peaks"]["2"],
-                                  load_plan(BASE + case_overrides(name), world_size=nproc), nproc, rel=0.15)
+                                  load_plan(BASE + case_overrides(name, tmp_path), world_size=nproc), nproc, rel=0.15)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ gloo); the worst tensor of each case is printed at the end of the run.
 import pytest
 
 from tests.conftest import load_plan
-from tests.distributed.harness import CAUSAL, VARLEN, Launches, P, PARITY, selected
+from tests.distributed.harness import VARLEN, Launches, P, PARITY, selected
 from tests.parity import assert_parity, record
 from trainer.config import load_config
 from trainer.parallel.schedule_sim import schedule_ops
@@ -32,6 +32,9 @@ CASES = {
     **{f"pp2-{s}": (2, LAYERS4, pp(2, s, *B8)) for s in
        ["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]},
     "pp2-csv": (2, LAYERS4, [P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv}", *B8]),
+    "pp2xDDP2-csv": (4, LAYERS4, [P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv4}",
+                                  P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
+                                  "--training.local_batch_size", "4"]),
     # pp = 4
     **{f"pp4-{s}": (4, LAYERS8, pp(4, s, *B8)) for s in ["1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]},
     # manual split points (uneven on purpose) and even-by-layer generation
@@ -44,7 +47,8 @@ CASES = {
     "pp2-Interleaved1F1B-tied": (2, LAYERS4, pp(2, "Interleaved1F1B", TIED, *B8)),
     "pp2-ZBV-tied": (2, LAYERS4, pp(2, "ZBVZeroBubble", TIED, *B8)),
     # gradient accumulation 2 (2 microbatches of 2 per schedule step), with full AC on a split backward
-    "pp2-1F1B-accum2": (2, LAYERS4, pp(2, "1F1B", "--training.local_batch_size", "4")),
+    "pp2-1F1B-accum2-SAC": (2, LAYERS4, pp(2, "1F1B", "--training.local_batch_size", "4",
+                                           "--activation_checkpoint.mode", "selective")),
     "pp2-ZBV-accum2-AC": (2, LAYERS4, pp(2, "ZBVZeroBubble", "--training.local_batch_size", "4",
                                          "--activation_checkpoint.mode", "full")),
     # schedule steps of two windows: some cross a document boundary (documents given), some do not (none given)
@@ -53,21 +57,64 @@ CASES = {
     "pp2xFSDP2": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "data_parallel_shard_degree", "2",
                                  "--training.local_batch_size", "4")),
     "pp2xTP2": (4, LAYERS4, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8)),
-    "pp2xDDP2": (4, LAYERS4, pp(2, "1F1B", P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree",
-                                "1", "--training.local_batch_size", "4")),
+    "pp2xDDP2": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "data_parallel_replicate_degree", "2",
+                                P + "data_parallel_shard_degree", "1", "--training.local_batch_size", "4")),
     "pp2xFSDP2xTP2": (8, LAYERS4, pp(2, "ZBVZeroBubble", P + "data_parallel_shard_degree", "2",
                                      P + "tensor_parallel_degree", "2", "--training.local_batch_size", "4")),
     "pp2xFSDP2-tied": (4, LAYERS4, pp(2, "1F1B", TIED, P + "data_parallel_shard_degree", "2",
                                       "--training.local_batch_size", "4")),
-    # context parallelism inside every stage
-    "pp2xCP2-1F1B": (4, LAYERS4 + CAUSAL, pp(2, "1F1B", P + "context_parallel_degree", "2", *B8)),
-    "pp2xCP2-ZBV": (4, LAYERS4 + CAUSAL, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8)),
-    "pp2xCP2-ZBV-AC": (4, LAYERS4 + CAUSAL, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8,
-                                      "--activation_checkpoint.mode", "full")),
+    # context parallelism inside every stage, under the default block-causal attention
+    "pp2xCP2-1F1B": (4, LAYERS4, pp(2, "1F1B", P + "context_parallel_degree", "2", *B8)),
+    "pp2xCP2-ZBV": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "context_parallel_degree", "2", *B8)),
+    "pp2xCP2-DualPipeV-AC": (4, LAYERS4, pp(2, "DualPipeV", P + "context_parallel_degree", "2", *B8,
+                                            "--activation_checkpoint.mode", "full")),
     # the varlen attention backend: split I/W backward, V placement with recomputation, TP inside the stages
     "pp2-ZBV-varlen": (2, LAYERS4 + VARLEN, pp(2, "ZBVZeroBubble", *B8)),
     "pp2-DualPipeV-AC-varlen": (2, LAYERS4 + VARLEN, pp(2, "DualPipeV", *B8, "--activation_checkpoint.mode", "full")),
     "pp2xTP2-varlen": (4, LAYERS4 + VARLEN, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8)),
+    # compositions of many techniques at once (docs/parallelism.md's composition table names each pair's case)
+    "pp2xDDP2xCP2-Interleaved1F1B-AC-tied": (8, LAYERS4, pp(
+        2, "Interleaved1F1B", TIED, P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
+        P + "context_parallel_degree", "2", "--training.local_batch_size", "4", "--activation_checkpoint.mode",
+        "full")),
+    "pp2xHSDP2x2-Interleaved1F1B-SAC-op-varlen": (8, LAYERS4 + VARLEN, pp(
+        2, "Interleaved1F1B", P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
+        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
+        "--activation_checkpoint.selective_ac_option", "op")),
+    "pp2xTP2-csv-varlen": (4, LAYERS4 + VARLEN, [
+        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv}",
+        P + "tensor_parallel_degree", "2", *B8]),
+    "pp2xFSDP2xCP2-csv-AC-tied": (8, LAYERS4, [
+        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv4}", TIED,
+        P + "data_parallel_shard_degree", "2", P + "context_parallel_degree", "2", "--training.local_batch_size", "4",
+        "--activation_checkpoint.mode", "full"]),
+    "pp2xHSDP2x2-1F1B-SAC-op-varlen": (8, LAYERS4 + VARLEN, pp(
+        2, "1F1B", P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
+        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
+        "--activation_checkpoint.selective_ac_option", "op")),
+    "pp2xTP2-Interleaved1F1B-SAC-op": (4, LAYERS4, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8,
+                                                      "--activation_checkpoint.mode", "selective",
+                                                      "--activation_checkpoint.selective_ac_option", "op")),
+    "pp2xFSDP2-Interleaved1F1B-SAC-compile": (4, LAYERS4, pp(
+        2, "Interleaved1F1B", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4",
+        "--activation_checkpoint.mode", "selective", "--compile.enable")),
+    "pp2xHSDP2x2-ZBV-SAC-tied": (8, LAYERS4, pp(
+        2, "ZBVZeroBubble", TIED, P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
+        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective")),
+    "pp2xautoTP2-ZBV-AC": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "tensor_parallel_degree", "2",
+                                          P + "tensor_parallel_plan", "auto", *B8, "--activation_checkpoint.mode",
+                                          "full")),
+    "pp2xautoTP2-csv-SAC": (4, LAYERS4, [
+        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv}",
+        P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", *B8,
+        "--activation_checkpoint.mode", "selective"]),
+    "pp2xautoTP2-Interleaved1F1B-SAC-op": (4, LAYERS4, pp(
+        2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", *B8,
+        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")),
+    "pp2xTP2-1F1B-AC": (4, LAYERS4, pp(2, "1F1B", P + "tensor_parallel_degree", "2", *B8,
+                                      "--activation_checkpoint.mode", "full")),
+    "pp2-1F1B-AC-compile-tied": (2, LAYERS4, pp(2, "1F1B", TIED, *B8, "--activation_checkpoint.mode", "full",
+                                               "--compile.enable")),
 }
 
 
@@ -89,17 +136,22 @@ def references(tmp_path_factory):
 TIMED = "pp2-ZBVZeroBubble"  # this launch also records the measured timeline of step 2
 
 
+def write_csv(folder, n_micro: int):
+    """An interleaved order for pp 2 and ``n_micro`` microbatches written out as CSV, one row of actions per rank,
+    with a byte-order mark, as spreadsheets export CSV (read by our check and by torch's loader alike)."""
+    csv = folder / f"schedule{n_micro}.csv"
+    rows = [",".join(str(a) for a in rank if a is not None) for rank in schedule_ops("Interleaved1F1B", 2, n_micro, 2)]
+    csv.write_text("\n".join(rows) + "\n", encoding="utf-8-sig")
+    return csv
+
+
 def case_overrides(name: str, folder) -> list[str]:
     """The case's overrides, with its CSV schedule written to ``folder`` and the extra recordings
     (timeline, saved activations) of the cases that check them."""
     nproc, layers, overrides = CASES[name]
-    if "{csv}" in overrides:
-        # An interleaved order written out as CSV, one row of actions per rank.
-        csv = folder / "schedule.csv"
-        rows = [",".join(str(a) for a in rank if a is not None) for rank in schedule_ops("Interleaved1F1B", 2, 8, 2)]
-        # With a byte-order mark, as spreadsheets export CSV: read by our check and by torch's loader alike.
-        csv.write_text("\n".join(rows) + "\n", encoding="utf-8-sig")
-        overrides = [str(csv) if o == "{csv}" else o for o in overrides]
+    for i, o in enumerate(overrides):
+        if o.startswith("{csv"):  # {csv}: 8 microbatches, {csvN}: N
+            overrides = overrides[:i] + [str(write_csv(folder, int(o[4:-1] or 8)))] + overrides[i + 1:]
     if name == TIMED:
         overrides = overrides + ["--profiling.pipeline_timeline_steps", "2"]
     if name in METERED:

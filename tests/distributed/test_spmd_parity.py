@@ -16,14 +16,16 @@ TIED = "--model.tie_embeddings"
 CP = P + "context_parallel_degree"
 # Every parity run's gradient norm is 0.6-0.9, below the default max_norm of 1.0: these cases clip at every step.
 CLIP = ["--training.max_norm", "0.3"]
+AUTO_TP = [P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", P + "no-enable_sequence_parallel"]
 
 # (ranks, overrides); local batch sizes keep the global batch at 8 sequences.
 LAYOUTS = {
     "DDP2": (2, [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
                  "--training.local_batch_size", "4"]),
     # Plain DDP is torch's reducer (trainer/parallel/ddp.py): accumulation reduces once, at the last microbatch.
-    "DDP2+accum2+AC": (2, [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
-                           "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full"]),
+    "DDP2+accum2+AC+compile": (2, [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
+                                   "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full",
+                                   "--compile.enable"]),
     "DDP2+tied+clip": (2, [TIED, *CLIP, P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree",
                            "1", "--training.local_batch_size", "4"]),
     "FSDP2": (2, [P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
@@ -46,22 +48,24 @@ LAYOUTS = {
     "FSDP2+tied": (2, [TIED, P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     "FSDP2xTP2+tied": (4, [TIED, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
                            "--training.local_batch_size", "4"]),
-    # Context parallelism: each 32-token sequence split over the cp ranks (load-balanced chunks).
-    "CP2": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8"]),
-    "CP4": (4, [*CAUSAL, CP, "4", "--training.local_batch_size", "8"]),
-    "CP2xFSDP2": (4, [*CAUSAL, CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
-    "CP2xTP2+SP+LP": (4, [*CAUSAL, CP, "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
-    "CP2+accum2": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "4"]),
+    # Context parallelism: each 32-token sequence split over the cp ranks (load-balanced chunks), under the default
+    # block-causal attention (a third of the windows cross a document boundary); CP2-causal without documents.
+    "CP2": (2, [CP, "2", "--training.local_batch_size", "8"]),
+    "CP2-causal": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8"]),
+    "CP4": (4, [CP, "4", "--training.local_batch_size", "8"]),
+    "CP2xFSDP2": (4, [CP, "2", P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
+    "CP2xTP2+SP+LP": (4, [CP, "2", P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "CP2+accum2": (2, [CP, "2", "--training.local_batch_size", "4"]),
     # Clipping that engages, on sharded gradients (FSDP and TP DTensors, their product, CP with FSDP).
     "FSDP2+clip": (2, [*CLIP, P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
     "TP2+clip": (2, [*CLIP, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "FSDP2xTP2+clip": (4, [*CLIP, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
                            "--training.local_batch_size", "4"]),
-    "CP2xFSDP2+clip": (4, [*CLIP, *CAUSAL, CP, "2", P + "data_parallel_shard_degree", "2",
+    "CP2xFSDP2+clip": (4, [*CLIP, CP, "2", P + "data_parallel_shard_degree", "2",
                            "--training.local_batch_size", "4"]),
     # Activation checkpointing under CP: the recomputed forward must run the gathered attention too.
-    "CP2+AC": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
-    "CP2+SAC-op": (2, [*CAUSAL, CP, "2", "--training.local_batch_size", "8",
+    "CP2+AC": (2, [CP, "2", "--training.local_batch_size", "8", "--activation_checkpoint.mode", "full"]),
+    "CP2+SAC-op": (2, [CP, "2", "--training.local_batch_size", "8",
                        "--activation_checkpoint.mode", "selective",
                        "--activation_checkpoint.selective_ac_option", "op"]),
     # The varlen attention backend: sharded data, heads split by TP with SP and loss parallel, recomputation.
@@ -70,6 +74,27 @@ LAYOUTS = {
     "TP2+SP+LP+varlen": (2, [*VARLEN, P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
     "FSDP2xTP2+varlen": (4, [*VARLEN, P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
                              "--training.local_batch_size", "4"]),
+    # compositions of many techniques at once (docs/parallelism.md's composition table names each pair's case)
+    "HSDP2x2xCP2+SAC+tied": (8, [TIED, P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree",
+                                 "2", CP, "2", "--training.local_batch_size", "2", "--activation_checkpoint.mode",
+                                 "selective"]),
+    "DDP2xCP2+SAC-op": (4, [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
+                            CP, "2", "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective",
+                            "--activation_checkpoint.selective_ac_option", "op"]),
+    "HSDP2x2xautoTP2+SAC-op+tied+varlen": (8, [*VARLEN, TIED, P + "data_parallel_replicate_degree", "2",
+                                               P + "data_parallel_shard_degree", "2", *AUTO_TP,
+                                               "--training.local_batch_size", "2", "--activation_checkpoint.mode",
+                                               "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+    "DDP2xautoTP2+SAC+varlen": (4, [*VARLEN, P + "data_parallel_replicate_degree", "2",
+                                    P + "data_parallel_shard_degree", "1", *AUTO_TP, "--training.local_batch_size",
+                                    "4", "--activation_checkpoint.mode", "selective"]),
+    "CP2xautoTP2+AC+tied": (4, [TIED, CP, "2", *AUTO_TP, "--training.local_batch_size", "8",
+                                "--activation_checkpoint.mode", "full"]),
+    "FSDP2xTP2+SAC": (4, [P + "data_parallel_shard_degree", "2", P + "tensor_parallel_degree", "2",
+                          "--training.local_batch_size", "4", "--activation_checkpoint.mode", "selective"]),
+    "HSDP2x2+AC+compile": (4, [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
+                               "--training.local_batch_size", "2", "--activation_checkpoint.mode", "full",
+                               "--compile.enable"]),
 }
 
 
@@ -117,13 +142,16 @@ def test_layout_matches_single_process(name, references, launches, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_position_offset_on_one_context_parallel_rank_is_caught(references, tmp_path):
-    """Rank 1 of CP2 rotates its tokens as if they sat one position earlier (an off-by-one chunk
-    offset; the attention mask stays right): the per-tensor comparison must fail."""
+@pytest.mark.parametrize("fault", ["cp_rope_offset", "cp_mask_ignores_documents", "cp_positions_do_not_restart"])
+def test_a_context_parallel_defect_is_caught(fault, references, tmp_path):
+    """CP2 under the default block-causal attention, broken on purpose, must fail the per-tensor comparison:
+    rank 1 rotates its tokens one position early (the mask stays right); the gathered attention masks by
+    position only (a query sees the end of the previous document); every rank rotates (and masks) its tokens by
+    their index in the whole window instead of their position within their document."""
     reference, tensors = references(reference_extra(LAYOUTS["CP2"][1]))
-    result = run_layout(2, LAYOUTS["CP2"][1], tmp_path, fault="cp_rope_offset")
+    result = run_layout(2, LAYOUTS["CP2"][1], tmp_path, fault=fault)
     cmp = compare(result["tensors"], tensors)
-    assert not cmp.ok and any("attention.wq.weight" in f for f in cmp.failures)
+    assert not cmp.ok and any("attention.wq.weight" in f for f in cmp.failures), cmp.failures[:3]
 
 
 @pytest.mark.slow

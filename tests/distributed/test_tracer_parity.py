@@ -19,14 +19,14 @@ from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layou
 from tests.parity import REPORT, assert_parity, compare, record
 from trainer.config import load_config
 
-TRACER = [P + "pipeline_parallel_frontend", "tracer", "--model.attn_mask_type", "causal"]
+TRACER = [P + "pipeline_parallel_frontend", "tracer"]
 LAYERS4 = ["--model.overrides.n_layers", "4"]
-# PARITY's Llama overrides do not apply to the GPT families: keep only the run settings.
-CAUSAL = ["--model.attn_mask_type", "causal"]  # traced stages take no documents: causal attention, references too
+# Both under the default attention: block-causal for Llama (the positions reach every traced stage), causal for
+# seq_gpt, which takes no positions. PARITY's Llama overrides do not apply to the GPT family: only its run settings.
 FAMILIES = {
-    "llama": PARITY + LAYERS4 + CAUSAL,
+    "llama": PARITY + LAYERS4,
     "seq_gpt": PARITY_RUN + ["--model.modules", "seq_gpt", "--model.name", "seq_gpt", "--model.flavor", "tiny",
-                      *LAYERS4, *CAUSAL],
+                             *LAYERS4],
 }
 
 
@@ -45,6 +45,14 @@ CASES = {
     "seq_gpt-pp2xFSDP2-DualPipeV-AC": ("seq_gpt", 4, pp2("DualPipeV", P + "data_parallel_shard_degree", "2",
                                                          "--activation_checkpoint.mode", "full",
                                                          "--training.local_batch_size", "4")),
+    "llama-pp2xDDP2-1F1B-SAC": ("llama", 4, pp2("1F1B", P + "data_parallel_replicate_degree", "2",
+                                                P + "data_parallel_shard_degree", "1", "--training.local_batch_size",
+                                                "4", "--activation_checkpoint.mode", "selective")),
+    "llama-pp2xHSDP2x2-csv-SAC-op": ("llama", 8, [
+        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv2}",
+        P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
+        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
+        "--activation_checkpoint.selective_ac_option", "op"]),
 }
 RESULTS: dict[str, dict] = {}  # tracer results kept for the traced-vs-manual comparison
 
@@ -62,12 +70,21 @@ def references(tmp_path_factory):
     return get
 
 
+def case_args(name: str, folder) -> list[str]:
+    """Every argument of the case's run; a CSV schedule ({csvN}: N microbatches) is written to ``folder``."""
+    from tests.distributed.test_pp_parity import write_csv
+
+    family, _, overrides = CASES[name]
+    overrides = [str(write_csv(folder, int(o[4:-1] or 8))) if o.startswith("{csv") else o for o in overrides]
+    return FAMILIES[family] + overrides + TRACER
+
+
 @pytest.fixture(scope="module")
 def launches(request, tmp_path_factory):
     """The selected cases, one shared launch per rank count."""
     names = [p["name"] for p in selected(request, "test_traced_pipeline_matches_single_process")]
-    return Launches(tmp_path_factory.mktemp("launches"),
-                    {n: (CASES[n][1], FAMILIES[CASES[n][0]] + CASES[n][2] + TRACER) for n in names})
+    folder = tmp_path_factory.mktemp("launches")
+    return Launches(folder, {n: (CASES[n][1], case_args(n, folder)) for n in names})
 
 
 @pytest.mark.slow
@@ -79,6 +96,16 @@ def test_traced_pipeline_matches_single_process(name, references, launches, tmp_
     reference, tensors = references(family)
     assert_parity(f"tracer {name}", result, reference, tensors)
     assert result["losses"][-1] < result["losses"][0]
+
+
+@pytest.mark.slow
+def test_traced_stages_that_lose_the_positions_are_caught(references, tmp_path):
+    """Broken on purpose: the traced blocks attend across documents (their positions replaced by the window's):
+    the per-tensor comparison with the block-causal single process must fail."""
+    reference, tensors = references("llama")
+    result = run_layout(2, FAMILIES["llama"] + pp2("ZBVZeroBubble", *B8) + TRACER, tmp_path, base=[],
+                        fault="tracer_drops_positions")
+    assert not compare(result["tensors"], tensors).ok
 
 
 @pytest.mark.slow

@@ -27,15 +27,69 @@ from trainer.train import main  # noqa: E402
 def inject_fault(name: str) -> None:
     """Deliberate defects that the parity instrument must catch (tests of the tests)."""
     if name == "cp_rope_offset":
-        import trainer.parallel.cp as cp
+        import trainer.model_parts as model_parts
 
-        real = cp.apply_cp
+        real = model_parts.ModelParts.shard_inputs
 
-        def off_by_one(model, positions, buffers):
-            # every cp rank but the first rotates its tokens one position early
-            real(model, positions - 1 if int(positions[0]) > 0 else positions, buffers)
+        def off_by_one(self, kwargs):
+            # every cp rank but the first rotates its tokens one position early (the mask stays right)
+            import trainer.models.llama.model as llama
 
-        cp.apply_cp = off_by_one
+            sharded = real(self, kwargs)
+            if self.techniques and int(os.environ.get("RANK", "0")) % 2 == 1:
+                real_doc = llama.document_attention
+
+                def shifted(positions, table, hidden, **kw):
+                    rope, mask = real_doc(positions, table, hidden, **kw)
+                    return (real_doc((positions - 1).clamp(min=0), table, hidden, **kw)[0] if positions is not None
+                            else rope), mask
+
+                llama.document_attention = shifted
+            return sharded
+
+        model_parts.ModelParts.shard_inputs = off_by_one
+    elif name == "cp_mask_ignores_documents":  # the gathered attention masks by position only
+        import torch
+
+        import trainer.models.attention as attention
+
+        real = attention.block_causal_mask
+
+        def by_position(positions, dtype, window=None):
+            # under a layout, positions past any query's index: each query's "document" starts before the window
+            far = torch.full_like(positions, 1 << 30)
+            return real(far if attention._LAYOUTS else positions, dtype, window)
+
+        attention.block_causal_mask = by_position
+        import trainer.models.llama.model as llama
+
+        llama.block_causal_mask = by_position
+    elif name == "cp_positions_do_not_restart":  # each rank's tokens rotated by their index in the whole window
+        import torch
+
+        import trainer.model_parts as model_parts
+
+        real = model_parts.ModelParts.shard_inputs
+
+        def global_index(self, kwargs):
+            whole = [{k: torch.arange(v.shape[1]).expand(v.shape).to(v.device) for k, v in inputs.items()}
+                     for inputs in kwargs]
+            return real(self, whole)
+
+        model_parts.ModelParts.shard_inputs = global_index
+    elif name == "tracer_drops_positions":  # traced blocks attend causally across documents (positions lost)
+        import torch
+
+        import trainer.models.llama.model as llama
+
+        real = llama.document_attention
+
+        def whole_window(positions, table, hidden, **kw):
+            if positions is not None and torch.compiler.is_exporting():
+                positions = torch.arange(positions.shape[1]).expand(positions.shape)
+            return real(positions, table, hidden, **kw)
+
+        llama.document_attention = whole_window
     elif name == "attention_without_sdpa":
         import types
 

@@ -123,7 +123,7 @@ def test_exact_resume_under_plain_ddp_and_on_fsdp(tmp_path):
 
 @pytest.mark.slow
 def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
-    layout = ["--model.attn_mask_type", "causal", "--parallelism.context_parallel_degree", "2",
+    layout = ["--parallelism.context_parallel_degree", "2",
               "--training.local_batch_size", "8", "--training.steps", "6",
               *CKPT]
     straight = run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
@@ -134,7 +134,7 @@ def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
     same_layout = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
     assert same_layout.ok, same_layout.failures[:10]  # bit for bit
     single, tensors = record(load_config(overrides=PARITY + [
-        "--model.attn_mask_type", "causal", "--training.local_batch_size", "8", "--training.steps", "6", *CKPT,
+        "--training.local_batch_size", "8", "--training.steps", "6", *CKPT,
         "--checkpoint.load_step", "3", "--job.dump_folder", str(tmp_path / "r")]))
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
     other_layout = compare(tensors, after)

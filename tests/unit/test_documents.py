@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import load_plan
-from trainer.data.documents import document_ids, model_inputs, on_device
+from trainer.data.documents import document_ids, model_inputs, on_device, positions_in_documents
 from trainer.models.init import materialize_
 
 EOS = 511
@@ -35,17 +35,46 @@ def test_document_ids_begin_after_each_end_of_text():
             == [[0, 0, 0, 0, 1, 1, 1, 1]])
 
 
+def positions_of(tokens: torch.Tensor) -> torch.Tensor:
+    return positions_in_documents(document_ids(tokens, EOS))
+
+
 def test_the_host_decides_whether_a_batch_needs_a_mask():
-    """Documents are given for a batch in which a window crosses an end-of-text, and not for one whose windows are
-    each one document (the causal kernel computes the same there); nothing is given under causal attention."""
+    """Positions are given for a batch in which a window crosses an end-of-text, and not for one whose windows are
+    each one document (the causal kernel computes the same there); nothing is given under causal attention. Under
+    ``always`` (context parallelism, traced stages) every batch gets them, the window's own under causal attention."""
     inputs = model_inputs("block_causal", EOS)
     crossing = torch.tensor([[5, 6, 7, 8], [5, EOS, 7, 8]])
-    assert inputs(crossing)["documents"].tolist() == [[0, 0, 0, 0], [0, 0, 1, 1]]
-    assert inputs(torch.tensor([[5, 6, 7, 8], [9, 9, 9, EOS]])) == {}  # an end-of-text at the end begins nothing
+    assert inputs(crossing)["positions"].tolist() == [[0, 1, 2, 3], [0, 1, 0, 1]]
+    one_each = torch.tensor([[5, 6, 7, 8], [9, 9, 9, EOS]])
+    assert inputs(one_each) == {}  # an end-of-text at the end begins nothing
     assert model_inputs("causal", EOS)(crossing) == {}
+    assert model_inputs("block_causal", EOS, always=True)(one_each)["positions"].tolist() == [[0, 1, 2, 3]] * 2
+    assert model_inputs("causal", EOS, always=True)(crossing)["positions"].tolist() == [[0, 1, 2, 3]] * 2
     on, kwargs = on_device([(crossing, crossing), (crossing[:1], crossing[:1])], torch.device("meta"), inputs)
     assert [x.device.type for x, _ in on] == ["meta", "meta"]
-    assert kwargs[0]["documents"].device.type == "meta" and kwargs[1] == {}
+    assert kwargs[0]["positions"].device.type == "meta" and kwargs[1] == {}
+
+
+def test_the_block_causal_mask_and_its_rows_under_a_sequence_layout():
+    """The mask from positions lets a query see the keys of its own document up to itself (a window of documents
+    of 3, 1 and 4 tokens, checked against pairs of document indices), and within a window, the last ``window``
+    of those; under a SequenceLayout (context parallelism: a rank's tokens at global indices 0, 1, 6, 7 of 8) it is
+    those queries' rows of the whole mask, against every key."""
+    from trainer.models.attention import SequenceLayout, block_causal_mask
+
+    tokens = torch.tensor([[5, 6, EOS, EOS, 7, 8, 9, 9]])
+    ids = document_ids(tokens, EOS)[0]
+    q, k = torch.arange(8)[:, None], torch.arange(8)[None, :]
+    expected = (ids[:, None] == ids[None, :]) & (k <= q)
+    whole = block_causal_mask(positions_of(tokens), torch.float32)
+    assert whole.shape == (1, 1, 8, 8) and torch.equal(whole[0, 0] == 0, expected)
+    assert torch.equal(block_causal_mask(positions_of(tokens), torch.float32, window=2)[0, 0] == 0,
+                       expected & (q - k < 2))
+    held = torch.tensor([0, 1, 6, 7])
+    with SequenceLayout(held, 8):
+        rows = block_causal_mask(positions_of(tokens)[:, held], torch.float32)
+    assert rows.shape == (1, 1, 4, 8) and torch.equal(rows, whole[:, :, held])
 
 
 def test_the_model_reads_nothing_back_from_the_device():
@@ -54,8 +83,8 @@ def test_the_model_reads_nothing_back_from_the_device():
     MoE family's forward is this one with expert layers, whose routing reads its token counts back by design.)"""
     model = load_plan(TINY + FAMILIES["llama3"], 1).build_model()
     tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
-    documents = torch.zeros(2, 32, dtype=torch.int32, device="meta")
-    assert model(tokens, documents=documents).shape == (2, 32, 512)
+    positions = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    assert model(tokens, positions=positions).shape == (2, 32, 512)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", pytest.param("varlen", marks=CPU_ONLY_VARLEN)])
@@ -72,7 +101,7 @@ def test_a_packed_window_computes_each_document_alone(family, backend):
     plain = torch.randint(0, 500, (1, 32), generator=g)
     with torch.no_grad():
         batch = torch.cat([packed, plain])
-        out = model(batch, documents=document_ids(batch, EOS))
+        out = model(batch, positions=positions_of(batch))
         start = 0
         for d in docs:
             alone = model(d[None])[0]
@@ -92,11 +121,11 @@ def test_varlen_computes_what_the_mask_computes(family):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 500, (3, 32), generator=g)
     tokens[0, 7], tokens[0, 20], tokens[2, 30] = EOS, EOS, EOS  # window 1: one document; window 2: a 1-token one
-    documents = document_ids(tokens, EOS)
+    positions = positions_of(tokens)
     results = {}
     for backend in ("sdpa", "varlen"):
         model = model_of(family, backend).train()
-        logits = model(tokens, documents=documents)
+        logits = model(tokens, positions=positions)
         logits.square().mean().backward()
         results[backend] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
     (logits, grads), (varlen_logits, varlen_grads) = results["sdpa"], results["varlen"]
@@ -127,21 +156,30 @@ def test_what_varlen_does_not_compose_with_is_refused_naming_the_key(monkeypatch
     load_plan(varlen, check_memory=False)  # a dry run (it plans for no device) accepts it
 
 
-@pytest.mark.parametrize("args, world, words", [
-    (["--parallelism.context_parallel_degree", "2"], 2,
-     r'\[model\] attn_mask_type = "block_causal" with \[parallelism\] context_parallel_degree=2: not supported yet'),
-    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend", "tracer",
-      "--training.mixed_precision_param", "float32"], 2,
-     r'attn_mask_type = "block_causal" with \[parallelism\] pipeline_parallel_frontend = "tracer": not supported'),
-    (["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"], 1,
-     r'attn_mask_type = "block_causal": model family tiny_gpt does not take document indices'),
-])
-def test_what_block_causal_does_not_compose_with_is_refused_naming_the_key(args, world, words):
+def test_the_default_attention_plans_under_every_layout_and_for_every_family(caplog):
+    """The default ([model] attn_mask_type = "auto") is block-causal attention under context parallelism and with
+    traced pipeline stages; a family without positions runs causal attention and says so once; only an explicit
+    block_causal for such a family is refused."""
     from trainer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=words + r'.*; set \[model\] attn_mask_type = "causal"'):
-        load_plan(args, world)
-    load_plan(args + ["--model.attn_mask_type", "causal"], world)  # ... and causal plans
+    assert load_plan(["--parallelism.context_parallel_degree", "2"], 2).config.model.attn_mask_type == "block_causal"
+    traced = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend",
+                        "tracer", "--training.mixed_precision_param", "float32"], 2)
+    assert traced.config.model.attn_mask_type == "block_causal" and traced.positions_always
+    user = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavor", "tiny"]
+    caplog.clear()
+    assert load_plan(user).config.model.attn_mask_type == "causal"
+    said = [r.getMessage() for r in caplog.records if "tiny_gpt does not take document positions" in r.getMessage()]
+    assert len(said) == 1 and "attends causally across the documents packed into a window" in said[0]
+    caplog.clear()
+    load_plan(user + ["--model.attn_mask_type", "causal"])
+    assert not any("document positions" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match=r'attn_mask_type = "block_causal": model family tiny_gpt does not take'
+                                          r' document positions .*; set \[model\] attn_mask_type = "causal"'):
+        load_plan(user + ["--model.attn_mask_type", "block_causal"])
+    with pytest.raises(ConfigError, match=r'attn_backend = "varlen" with \[parallelism\] context_parallel_degree=2:'
+                                          r' not supported'):
+        load_plan(["--parallelism.context_parallel_degree", "2", "--model.attn_backend", "varlen"], 2)
 
 
 @CPU_ONLY_VARLEN

@@ -1,5 +1,6 @@
 """The single-process training loop: accumulation equals one big batch, determinism, NaN stop."""
 
+import dataclasses
 import math
 
 import pytest
@@ -54,4 +55,7 @@ def test_resolved_config_is_written_and_reloads(tiny_args, tmp_path):
     written = tmp_path / "run" / "config.toml"
     original = load_config(overrides=tiny_args + ["--training.steps", "1"])
     reloaded = load_config(written)
-    assert reloaded.training == original.training and reloaded.model == original.model
+    # the run's config: [model] attn_mask_type "auto" made concrete for the family
+    resolved = dataclasses.replace(original.model, attn_mask_type="block_causal")
+    assert original.model.attn_mask_type == "auto"
+    assert reloaded.training == original.training and reloaded.model == resolved

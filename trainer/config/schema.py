@@ -92,9 +92,10 @@ class Model:
     """Keep only the first N BPE ranks of the tokenizer file; 0 = as many as the model vocab holds."""
     tie_embeddings: bool = False
     """Share one weight between the input embedding and the output projection."""
-    attn_mask_type: Literal["causal", "block_causal"] = "block_causal"
+    attn_mask_type: Literal["auto", "causal", "block_causal"] = "auto"
     """block_causal: a token attends only to earlier tokens of its own document (documents end at the end-of-text token)
-    and rotary positions restart at each document; causal: to every earlier token of the window."""
+    and rotary positions restart at each document; causal: to every earlier token of the window. auto: block_causal
+    where the model family takes document positions (every built-in family), else causal (said once)."""
     attn_backend: Literal["sdpa", "varlen"] = "sdpa"
     """Attention kernel. sdpa: F.scaled_dot_product_attention, with an additive mask when a window holds several
     documents (every device). varlen: each document of a window attended alone by the causal kernel, no mask

@@ -4,8 +4,9 @@ Every loader packs documents as ``[BOS] text EOS`` (``text EOS`` for tokenizers 
 to end, so the boundaries are in the tokens themselves: a document begins after each end-of-text
 token. Deriving them from the window keeps every loader (token shards, mixing, streaming)
 deterministic and resumable exactly as before, and a window that starts mid-document simply
-begins with that document's remainder (document 0, positions from 0). The model turns the
-indices into its mask and positions (trainer.models.llama.model.document_attention).
+begins with that document's remainder (document 0, positions from 0). A model that attends within
+documents receives each token's position within its document (``positions``), from which it rotates
+its tokens and builds its mask (trainer.models.attention.block_causal_mask).
 """
 
 from collections.abc import Callable
@@ -28,17 +29,32 @@ def document_ids(tokens: torch.Tensor, eos_id: int, bos_id: int | None = None) -
     return ends.cumsum(1, dtype=torch.int32) - ends
 
 
-def model_inputs(attn_mask_type: str, eos_id: int, bos_id: int | None = None) -> Callable[[torch.Tensor], dict]:
-    """A batch's tokens, on the host -> the model's keyword inputs: under block-causal attention its
-    ``documents``, unless no window of the batch crosses a document boundary (then nothing: the model runs
-    the plain causal kernel, which computes the same). Deciding on the loader's CPU tensors, before they are
-    copied to the device, means the model never waits for the device to find out (``on_device``)."""
+def positions_in_documents(documents: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) document indices within each window (``document_ids``) -> each token's position within its
+    document, int64 (0 where a document starts)."""
+    index = torch.arange(documents.shape[1])
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # where each token's document begins
+    return index - first
+
+
+def model_inputs(attn_mask_type: str, eos_id: int, bos_id: int | None = None, *,
+                 always: bool = False) -> Callable[[torch.Tensor], dict]:
+    """A batch's tokens, on the host -> the model's keyword inputs: under block-causal attention each token's
+    ``positions`` within its document, unless no window of the batch crosses a document boundary (then nothing:
+    the model runs the plain causal kernel, which computes the same). Deciding on the loader's CPU tensors,
+    before they are copied to the device, means the model never waits for the device to find out (``on_device``).
+    ``always``: positions for every batch, whole windows' positions (0, 1, ...) under causal attention (context
+    parallelism, whose ranks hold parts of each sequence, and traced pipeline stages, whose graph has the input)."""
     if attn_mask_type != "block_causal":
-        return lambda tokens: {}
+        if not always:
+            return lambda tokens: {}
+        return lambda tokens: {"positions": torch.arange(tokens.shape[1]).expand(tokens.shape)}
 
     def inputs(tokens: torch.Tensor) -> dict:
         ids = document_ids(tokens, eos_id, bos_id)
-        return {"documents": ids} if bool(ids.any()) else {}
+        return {"positions": positions_in_documents(ids)} if always or bool(ids.any()) else {}
 
     return inputs
 

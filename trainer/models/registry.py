@@ -173,12 +173,17 @@ class ModelSpec:
     (trainer/activation_memory.py turns it into per-rank peaks for the dry run), or a string saying why
     these settings are not modelled; None = not estimated."""
     cp_buffers: tuple[str, ...] = ()
-    """Buffers indexed by sequence position (e.g. the rotary table). A family supports context
-    parallelism when it names them and its attention is a causal F.scaled_dot_product_attention."""
-    documents: bool = False
-    """Whether the model's forward takes ``documents=`` (batch, seq) document indices (from
-    trainer.data.documents) and attends within documents with positions restarting at each
-    (``[model] attn_mask_type = "block_causal"``); a pipeline chunk's forward takes it too."""
+    """For a family without ``positions``: its buffers indexed by sequence position (e.g. a rotary table), which
+    context parallelism re-indexes to each rank's tokens; such a family supports context parallelism under causal
+    attention when its attention is a causal F.scaled_dot_product_attention."""
+    parallel_limits: Callable[[Any, Any], str | None] = lambda args, dims: None
+    """(args, ParallelDims) -> why a model built from these args cannot run under these parallel degrees (one line
+    naming the keys; the job is refused with it when planned), or None."""
+    positions: bool = False
+    """Whether the model's forward takes ``positions=``: (batch, seq) each token's position within its document
+    (trainer.data.documents), by which it rotates its tokens and builds its mask with
+    trainer.models.attention.block_causal_mask (``[model] attn_mask_type = "block_causal"``, context parallelism
+    under either attention type); a pipeline chunk's forward takes it too."""
 
     def tied_aliases(self, args: Any) -> dict[str, str]:
         """{alias: canonical} of the weights tied in a model built from ``args`` (empty when untied)."""

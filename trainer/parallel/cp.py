@@ -5,16 +5,23 @@ every rank gets the same share of the causal attention work (an early and a late
 
 Attention: keys and values are all-gathered over the cp group (as Llama 3 was trained at long
 context) and each rank's queries attend to the sequence up to their own positions, one
-contiguous run (chunk) at a time, under a causal mask built from global positions. The gather is
-autograd-aware: its backward reduce-scatters the key/value
-gradients back to the ranks that own them. With grouped-query attention only the kv heads are
-gathered. This runs on any backend and device, gloo on CPU included (torch's experimental
+contiguous run (chunk) at a time. The gather is autograd-aware: its backward reduce-scatters the
+key/value gradients back to the ranks that own them. With grouped-query attention only the kv heads
+are gathered. This runs on any backend and device, gloo on CPU included (torch's experimental
 ``context_parallel`` has no sharding rule for the CPU attention kernel).
 
-The model stays unaware of all this: ``apply_cp`` re-indexes the family's position-indexed
-buffers (the rotary table) to the rank's global positions once, and ``ContextParallelAttention``
-is a ``TorchFunctionMode`` that, while a step runs, replaces each causal
-``F.scaled_dot_product_attention`` call with the gathered, masked one.
+Documents (block-causal attention): a family that takes ``positions`` (each token's position within
+its document) gets them sharded like its tokens, rotates its tokens by them and builds its mask with
+trainer.models.attention.block_causal_mask; while a step runs, this technique's ``SequenceLayout``
+makes that mask one of the rank's queries against every key of the sequence (in global order), so a
+query sees exactly the keys of its own document up to itself, wherever they are held. Such a family
+gets positions under causal attention too (0, 1, ... of the whole window).
+
+The model stays unaware of all this: ``ContextParallelAttention`` is a ``TorchFunctionMode`` that,
+while a step runs, replaces each ``F.scaled_dot_product_attention`` call (causal, or with such a
+mask) with the gathered one. A family without ``positions`` declares its position-indexed buffers
+(``ModelSpec.cp_buffers``, e.g. a rotary table), which ``apply_cp`` re-indexes to the rank's global
+positions once; it runs causal attention only.
 """
 
 import torch
@@ -24,6 +31,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from trainer.errors import ConfigError, UserError
+from trainer.models.attention import SequenceLayout
 from trainer.parallel.technique import ChunkSetup, PlanFacts, Technique
 
 
@@ -60,13 +68,17 @@ def apply_cp(model: nn.Module, positions: torch.Tensor, buffers: tuple[str, ...]
 
 
 class ContextParallelAttention(TorchFunctionMode):
-    """Within this mode, causal scaled-dot-product attention over local queries sees the whole sequence."""
+    """Within this mode, scaled-dot-product attention over local queries sees the whole sequence: causal, or
+    under a mask of the local queries against every key (``block_causal_mask`` under a ``SequenceLayout``, which
+    this mode enters with itself)."""
 
     def __init__(self, group: dist.ProcessGroup, positions: torch.Tensor, all_positions: torch.Tensor):
         """``positions``: this rank's global positions; ``all_positions``: every cp rank's, in rank order
         (the order in which the all-gather concatenates keys and values)."""
         super().__init__()
         self.group = group
+        self.keys = len(all_positions)
+        self.layout = SequenceLayout(positions, self.keys)
         self.order = torch.argsort(all_positions)  # gathered keys -> global order
         # Each contiguous run of local queries attends only to the keys up to its last position (a
         # prefix): the early chunk skips the late half of the sequence instead of masking it.
@@ -93,16 +105,28 @@ class ContextParallelAttention(TorchFunctionMode):
                 ~allowed, float("-inf"))
         return self._masks[key]
 
+    def __enter__(self):
+        self.layout.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.layout.__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         q, k, v = args[:3]  # (batch, heads, local seq, head_dim)
-        if len(args) > 3 or kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
+        mask = kwargs.get("attn_mask")
+        if len(args) > 3 or (mask is None) != bool(kwargs.get("is_causal", False)) or (
+                mask is not None and mask.shape[-1] != self.keys):
             raise UserError(
-                "[parallelism] context_parallel_degree: the model calls F.scaled_dot_product_attention with a mask or"
-                " without is_causal=True; context parallelism supports causal attention without an explicit mask"
-            )
+                "[parallelism] context_parallel_degree: the model calls F.scaled_dot_product_attention with a mask"
+                " of its own or without is_causal=True; context parallelism supports causal attention and masks"
+                " built by trainer.models.attention.block_causal_mask")
         self.calls += 1
         order = self.order.to(q.device)
         k = _all_gather(k.contiguous(), gather_dim=2, group=self.group).index_select(2, order)
@@ -110,7 +134,8 @@ class ContextParallelAttention(TorchFunctionMode):
         kwargs["is_causal"] = False
         outs = []
         for i, (a, b, prefix, _) in enumerate(self.runs):
-            kwargs["attn_mask"] = self._mask(i, q)
+            # no query of the run sees a key past its own position: the keys beyond the prefix are left out
+            kwargs["attn_mask"] = self._mask(i, q) if mask is None else mask[:, :, a:b, :prefix]
             outs.append(func(q[:, :, a:b], k[:, :, :prefix], v[:, :, :prefix], **kwargs))
         return torch.cat(outs, dim=2)
 
@@ -132,23 +157,28 @@ class ContextParallel(Technique):
         cp = facts.dims.cp
         if cp == 1:
             return
-        if not facts.spec.cp_buffers:
+        key = f"[parallelism] context_parallel_degree={cp}"
+        if not facts.spec.positions and not facts.spec.cp_buffers:
             raise ConfigError(
-                f"[parallelism] context_parallel_degree={cp}: model family {facts.spec.name} does not declare"
-                " its position-indexed buffers (ModelSpec.cp_buffers), so it cannot be split along the sequence")
-        if facts.model.attn_mask_type == "block_causal":
-            raise ConfigError(
-                f'[model] attn_mask_type = "block_causal" with [parallelism] context_parallel_degree={cp}: not'
-                " supported yet (context parallelism's gathered attention masks by position, not by document);"
-                ' set [model] attn_mask_type = "causal"')
+                f"{key}: model family {facts.spec.name} takes no positions (ModelSpec.positions) and declares no"
+                " position-indexed buffers (ModelSpec.cp_buffers), so it cannot be split along the sequence")
+        if facts.compile_enabled:
+            raise ConfigError(f"[compile] enable with {key}: not supported (a compiled block calls the attention kernel"
+                              " directly, past the mode that gives each rank's queries the whole sequence's keys);"
+                              " set [compile] enable = false")
+        if facts.model.attn_backend == "varlen":
+            raise ConfigError(f'[model] attn_backend = "varlen" with {key}: not supported (it attends each document'
+                              " of a rank's contiguous tokens, and a rank holds two chunks of each sequence); use"
+                              ' attn_backend = "sdpa"')
 
     @classmethod
     def build(cls, setup: ChunkSetup) -> "ContextParallel | None":
         meshes = setup.meshes
         if meshes.cp is None:
             return None
-        return cls(meshes.cp.get_group(), meshes.dims.cp, meshes.world.get_local_rank("cp"), setup.seq_len,
-                   setup.spec.cp_buffers)
+        # A family that takes positions is given them (sharded): its rotary table stays as it is.
+        buffers = () if setup.spec.positions else setup.spec.cp_buffers
+        return cls(meshes.cp.get_group(), meshes.dims.cp, meshes.world.get_local_rank("cp"), setup.seq_len, buffers)
 
     def after_materialize(self, chunk: nn.Module) -> None:  # init computes the rotary table for local positions
         apply_cp(chunk, self.positions, self.buffers)

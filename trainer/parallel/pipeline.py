@@ -51,11 +51,12 @@ def build_chunk(make_model: Callable[[], nn.Module], spec: ModelSpec, stage: Sta
 TRACER_KEY = '[parallelism] pipeline_parallel_frontend = "tracer"'
 
 
-def trace_pipeline(model: nn.Module, plan: PipelinePlan, example: torch.Tensor):
+def trace_pipeline(model: nn.Module, plan: PipelinePlan, example: torch.Tensor, example_kwargs: dict | None = None):
     """torch's ``Pipe`` of ``model`` (whole, initialised) split before each of ``plan``'s split points.
 
-    ``example`` is one microbatch of inputs: the traced graph, and the stages' receive buffers, have
-    its shape. A model torch.export cannot trace (e.g. data-dependent shapes) stops with one line.
+    ``example`` is one microbatch of inputs (``example_kwargs`` its keyword inputs, e.g. positions): the traced
+    graph, and the stages' receive buffers, have its shape. A model torch.export cannot trace (e.g.
+    data-dependent shapes) stops with one line.
     """
     from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -68,8 +69,12 @@ def trace_pipeline(model: nn.Module, plan: PipelinePlan, example: torch.Tensor):
     if modal:
         raise ConfigError(f"{TRACER_KEY}: the model has {', '.join(modal)}, which a traced graph would keep in"
                           " training mode during evaluation; use the manual front-end")
+    # Each stage ends after its last block (rather than the next one beginning before its first): what the forward
+    # computes between two blocks for the later one (a traced family's per-block rotary table and mask) then
+    # belongs to the later block's stage.
+    ends = {f"{plan.blocks_attr}.{plan.stages[s].blocks[-1]}": SplitPoint.END for s in range(plan.num_stages - 1)}
     try:
-        pipe = pipeline(model, mb_args=(example,), split_spec=dict.fromkeys(points, SplitPoint.BEGINNING))
+        pipe = pipeline(model, mb_args=(example,), mb_kwargs=example_kwargs or None, split_spec=ends)
     except Exception as e:  # torch wraps torch.export's error; its first line names the construct
         cause = e.__cause__ or e
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
@@ -110,6 +115,19 @@ def _warm_up_other_ranks_only(base: type) -> type:
     return WarmsUpOtherRanksOnly
 
 
+@functools.cache
+def _traced_stage_class(base: type) -> type:
+    """``base`` (a traced stage class) whose stages after the first ignore the step's keyword inputs (positions):
+    torch's traced stages accept a model input only in the first stage, and every later one receives what it
+    needs from the stage before it (the schedule hands every stage the step's keyword inputs)."""
+
+    class FirstTakesKeywords(base):
+        def forward_maybe_with_nosync(self, *args, **kwargs):
+            return super().forward_maybe_with_nosync(*args, **(kwargs if self.is_first else {}))
+
+    return FirstTakesKeywords
+
+
 def traced_stages(pipe, stage_ids: list[int], *, pp_mesh: DeviceMesh, device: torch.device) -> list:
     """torch's traced stages for this rank's stage ids (their submodules parallelised in place before)."""
     from torch.distributed.pipelining.stage import _PipelineStage
@@ -117,7 +135,8 @@ def traced_stages(pipe, stage_ids: list[int], *, pp_mesh: DeviceMesh, device: to
     stages = []
     for sid in stage_ids:
         stage = pipe.build_stage(sid, device, pp_mesh.get_group())
-        stage.__class__ = _warm_up_other_ranks_only(_PipelineStage)  # build_stage also rewrites the graph's device
+        # build_stage also rewrites the graph's device
+        stage.__class__ = _traced_stage_class(_warm_up_other_ranks_only(_PipelineStage))
         stages.append(stage)
     # The stages keep the split graph (pipe_info), which holds every stage's submodule: drop the
     # other ranks' stages so their (whole-model, CPU) tensors are freed.

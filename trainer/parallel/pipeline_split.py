@@ -260,6 +260,14 @@ class PipelineParallel(Technique):
                 logger.warning("[parallelism] pipeline_parallel_degree = 1: %s not used; the model runs whole, without"
                                " a pipeline schedule", ", ".join(unused))
             return
+        if dims.tp > 1 and spec.tied_aliases(facts.model_args):
+            # Seen on torch 2.13 (CPU, gloo): the first and last stages' copies of the tied weight reach the step
+            # sharded differently (a size mismatch in the tied gradients' sum under V placement, mismatched
+            # transfers under loop placement).
+            raise ConfigError(f"[model] tie_embeddings with [parallelism] pipeline_parallel_degree={dims.pp} and"
+                              f" tensor_parallel_degree={dims.tp}: not supported yet (the pipeline's two copies of the"
+                              " tied weight are sharded differently by tensor parallelism); untie the embeddings or"
+                              " drop one of the two")
         key = "[parallelism] pipeline_parallel_frontend"
         if p.pipeline_parallel_frontend == "manual":
             if not spec.manual_split:
@@ -283,12 +291,10 @@ class PipelineParallel(Technique):
                                                         " stages do not exchange a weight shared by two stages; the"
                                                         " run fails in a transfer)"),
             (facts.compile_enabled, "[compile] enable (not tried on traced stages)"),
+            (facts.model.attn_backend == "varlen", '[model] attn_backend = "varlen" (it reads each window\'s'
+                                                   " document lengths on the host, which a traced graph cannot)"),
         ]
         for bad, what in refused:
             if bad:
                 raise ConfigError(f"{key} = \"tracer\" does not compose with {what};"
                                   " use the manual front-end or drop it")
-        if facts.model.attn_mask_type == "block_causal":
-            raise ConfigError(f'[model] attn_mask_type = "block_causal" with {key} = "tracer": not supported (a traced'
-                              ' stage takes the hidden states only, not the documents); set [model] attn_mask_type ='
-                              ' "causal"')

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models.attention import block_causal_mask
 from trainer.models.init import InitFn, constant_, init_param_, normal_
 from trainer.models.llama.args import LlamaArgs
 from trainer.models.registry import ActivationBytes
@@ -106,12 +107,14 @@ class Attention(nn.Module):
 class DocumentLengths:
     """The lengths of each window's documents, in order (each window's sum to its length): block-causal
     attention computed as one causal attention per document, without a mask (``[model] attn_backend =
-    "varlen"``, on CPU: the lengths are read from the documents on the host)."""
+    "varlen"``, on CPU: the lengths are read from the positions on the host)."""
 
     per_window: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def of(cls, documents: torch.Tensor) -> "DocumentLengths":
+    def of(cls, positions: torch.Tensor) -> "DocumentLengths":
+        """From each token's position within its document (a document starts where it is 0)."""
+        documents = (positions == 0).cumsum(1)
         return cls(tuple(tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist()) for row in documents))
 
 
@@ -129,33 +132,24 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     return torch.stack(windows)
 
 
-def document_attention(documents: torch.Tensor | None, table: torch.Tensor, hidden: torch.Tensor, *,
+def document_attention(positions: torch.Tensor | None, table: torch.Tensor, hidden: torch.Tensor, *,
                        per_document: bool = False) -> tuple[torch.Tensor, "torch.Tensor | DocumentLengths | None"]:
-    """(rotary table, attention mask) for windows of ``documents``, built once per forward and shared by the
-    layers: the table gathered at each token's position within its document, (batch, seq, head_dim / 2, 2),
-    and an additive mask (0 where a query may see a key: earlier or same position, same document; -inf
-    elsewhere), (batch, 1, seq, seq), in the dtype attention computes in: autocast's, else ``hidden``'s. An
-    additive mask in the activations' dtype is what the attention kernel keeps for backward; a boolean one
-    would be converted, and kept, anew by every layer. No value is read back from the device: whether a batch
-    needs a mask at all is decided on the host, where the tokens are (trainer.data.documents.model_inputs
-    gives no ``documents`` for a batch in which every window is one document, and that batch keeps the causal
-    kernel and the table as they are). With ``per_document`` (the varlen backend, CPU only), instead of the
-    mask: each window's document lengths (``DocumentLengths``), read from ``documents`` on the host."""
-    if documents is None:
+    """(rotary table, attention mask) for tokens at ``positions`` (batch, seq) within their documents, built
+    once per forward and shared by the layers: the table gathered at each token's position, (batch, seq,
+    head_dim / 2, 2), and the additive block-causal mask (trainer.models.attention.block_causal_mask) in the
+    dtype attention computes in: autocast's, else ``hidden``'s. No value is read back from the device: whether a
+    batch needs a mask at all is decided on the host, where the tokens are (trainer.data.documents.model_inputs
+    gives no ``positions`` for a batch in which every window is one document, and that batch keeps the causal
+    kernel and the table as it is). With ``per_document`` (the varlen backend, CPU only), instead of the mask:
+    each window's document lengths (``DocumentLengths``), read from ``positions`` on the host."""
+    if positions is None:
         return table, None
-    seq = documents.shape[1]
-    index = torch.arange(seq, device=documents.device)
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    first = torch.cummax(torch.where(starts, index, 0), dim=1).values  # where each token's document begins
     if per_document:
-        return table[index - first], DocumentLengths.of(documents)
-    allowed = (documents[:, :, None] == documents[:, None, :]) & (index[:, None] >= index[None, :])
+        return table[positions], DocumentLengths.of(positions)
     device = hidden.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else hidden.dtype
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=documents.device).masked_fill_(~allowed, float("-inf"))
-    return table[index - first], mask[:, None]
+    return table[positions], block_causal_mask(positions, dtype)
 
 
 class KVCache:
@@ -220,13 +214,21 @@ class Transformer(nn.Module):
         """Block ``layer_id``; families built on this class (e.g. MoE) override it."""
         return TransformerBlock(args)
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab); chunks pass hidden states (batch, seq, dim).
-        ``documents`` (batch, seq): each token's document in the window (trainer.data.documents); given,
-        attention stays within documents and rotary positions restart at each."""
+        ``positions`` (batch, seq): each token's position within its document (trainer.data.documents); given,
+        tokens are rotated by it and attend within their documents (trainer.models.attention)."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        rope, mask = document_attention(documents, self.rope, h, per_document=self.args.attn_backend == "varlen")
+        per_document = self.args.attn_backend == "varlen"
+        # Traced for pipeline stages (torch.export), the graph is cut between blocks and a stage may not hand a
+        # rotary table or mask to a later one: each block builds its own from the positions, which pass from
+        # block to block (a copy each, so that every stage receives them from the one before it).
+        per_block = positions is not None and torch.compiler.is_exporting()
+        rope, mask = document_attention(None if per_block else positions, self.rope, h, per_document=per_document)
         for layer in self.layers.values():
+            if per_block:
+                positions = positions.clone()
+                rope, mask = document_attention(positions, self.rope, h, per_document=per_document)
             h = layer(h, rope, mask=mask)
         if self.norm is not None:
             h = self.norm(h)

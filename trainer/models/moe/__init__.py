@@ -7,6 +7,14 @@ from trainer.models.moe.model import MoE, MoETransformer, moe_activation_bytes, 
 from trainer.models.registry import ModelSpec, register_model
 
 
+def moe_parallel_limits(args: MoEArgs, dims) -> str | None:
+    if dims.cp > 1 and args.aux_loss_coef > 0:
+        return (f"[parallelism] context_parallel_degree={dims.cp} with model family moe: the sequence-wise balance"
+                f" loss ([model.overrides] aux_loss_coef = {args.aux_loss_coef:g}) is computed over each whole"
+                " sequence; set aux_loss_coef = 0 (balancing by bias_update_speed needs no whole sequences)")
+    return None
+
+
 def build_tp_plan(**kwargs):
     """trainer/models/moe/tp_plan.py, imported when tensor parallelism is used (it imports DTensor, ~0.5 s)."""
     from trainer.models.moe.tp_plan import build_tp_plan as build
@@ -25,8 +33,8 @@ register_model(
         auto_tp=False,
         tied_weights=TIED_WEIGHTS,
         tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads},
-        cp_buffers=("rope",),
-        documents=True,
+        positions=True,
+        parallel_limits=moe_parallel_limits,
         validate_args=validate_moe_args,
         after_step=moe_after_step,
         num_experts=lambda args: args.n_experts,
