@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.parallel.dims import ParallelDims
 from trainer.errors import ConfigError, UserError, error_lines, one_line
 
 logger = logging.getLogger("trainer.convert")
@@ -78,6 +79,12 @@ def check_step_folder(path: Path, key: str) -> None:
         raise UserError(f"{key}: {path} is damaged: {damage}")
 
 
+def check_one_process(spec, args) -> None:
+    """What the family refuses for these args in one process (e.g. sequences past a scaling's range)."""
+    if why := spec.job_limits(args, ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)):
+        raise UserError(why)
+
+
 def load_checkpoint(step: Path, overrides: list[str], *, key: str, seq_len: int | None = None, device="cpu",
                     dtype=None) -> Loaded:
     """The model of a DCP step folder, whole, in this process, with the job's tokenizer. ``overrides`` are
@@ -99,6 +106,7 @@ def load_checkpoint(step: Path, overrides: list[str], *, key: str, seq_len: int 
     spec = get_model_spec(config.model.name)
     config = adopt_imported_model(config, spec)
     args = spec.with_seq_len(resolve_model_args(spec, config.model), seq_len or config.training.seq_len)
+    check_one_process(spec, args)
     model = spec.meta_model(args)
     materialize_(model, torch.device(device), seed=0)
     aliases = spec.tied_aliases(args)
@@ -166,6 +174,7 @@ def load_hf(folder: Path, *, key: str, seq_len: int, device="cpu", dtype=None) -
         args = spec.with_seq_len(resolve_model_args(spec, section), seq_len)
     except ConfigError as e:  # config.json values the family cannot build (a vocab_size of null, ...)
         raise UserError(f"{key}: {folder}/config.json describes a model {spec.name} cannot build: {e}") from None
+    check_one_process(spec, args)
     model = spec.meta_model(args)
     materialize_(model, torch.device(device), seed=0)
     load_hf_([model], spec, args, folder, key=key)

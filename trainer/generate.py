@@ -54,7 +54,7 @@ def generate(model, prompt: list[int], *, max_new_tokens: int, eos_id: int | Non
     (included) or ``max_new_tokens``. The model's rotary table must cover the prompt plus ``max_new_tokens``."""
     import torch
 
-    from trainer.models.llama.model import Attention, KVCache
+    from trainer.models.decoder.model import Attention, KVCache
 
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)

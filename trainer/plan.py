@@ -293,7 +293,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
         _check_logits_memory(config, dims, spec.vocab_size(args))
     whole = spec.meta_model(args)  # the plan's one model build: sizes, costs, split, TP plan
     check_techniques(PlanFacts(dims, spec, args, whole, p, config.model, config.compile.enable))
-    if why := spec.parallel_limits(args, dims):
+    if why := spec.job_limits(args, dims):
         raise ConfigError(why)
     if config.model.attn_backend == "varlen":
         _check_varlen(config, device_type() if check_memory else None)

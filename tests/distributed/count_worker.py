@@ -15,7 +15,7 @@ import trainer.parallel.auto_tp as auto_tp  # noqa: E402
 import trainer.parallel.parallelize as parallelize_mod  # noqa: E402
 import trainer.train as train_mod  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.models.llama.model import Transformer  # noqa: E402
+from trainer.models.decoder.model import Transformer  # noqa: E402
 
 counts = {"builds": 0, "derivations": 0, "chunks": 0}
 real_init, real_derive, real_build = Transformer.__init__, auto_tp.derive_tp_plan, train_mod.build_model_parts

@@ -33,7 +33,7 @@ def inject_fault(name: str) -> None:
 
         def off_by_one(self, kwargs):
             # every cp rank but the first rotates its tokens one position early (the mask stays right)
-            import trainer.models.llama.model as llama
+            import trainer.models.decoder.model as llama
 
             sharded = real(self, kwargs)
             if self.techniques and int(os.environ.get("RANK", "0")) % 2 == 1:
@@ -61,7 +61,7 @@ def inject_fault(name: str) -> None:
             return real(far if attention._LAYOUTS else positions, dtype, window)
 
         attention.block_causal_mask = by_position
-        import trainer.models.llama.model as llama
+        import trainer.models.decoder.model as llama
 
         llama.block_causal_mask = by_position
     elif name == "cp_positions_do_not_restart":  # each rank's tokens rotated by their index in the whole window
@@ -80,7 +80,7 @@ def inject_fault(name: str) -> None:
     elif name == "tracer_drops_positions":  # traced blocks attend causally across documents (positions lost)
         import torch
 
-        import trainer.models.llama.model as llama
+        import trainer.models.decoder.model as llama
 
         real = llama.document_attention
 
@@ -96,7 +96,7 @@ def inject_fault(name: str) -> None:
         import torch
         import torch.nn.functional as F
 
-        import trainer.models.llama.model as llama
+        import trainer.models.decoder.model as llama
 
         def by_hand(q, k, v, is_causal=False, enable_gqa=False, **_):  # softmax(q k^T / sqrt(d)) v, causal
             if enable_gqa:

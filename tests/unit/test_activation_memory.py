@@ -48,7 +48,7 @@ MOE = ["--model.name", "moe", "--model.flavor", "debugmodel"]  # 2 blocks: one d
     ["--training.global_batch_size", "16"],  # accumulation 2: one microbatch alive at a time
     MOE,  # per-head q/k norms, softmax routing renormalised over the chosen experts
     MOE + ["--model.overrides.score_func", "sigmoid", "--model.overrides.norm_topk", "false",
-           "--model.overrides.n_shared_experts", "2", "--model.overrides.qk_norm", "false"],
+           "--model.overrides.n_shared_experts", "2", "--model.overrides.qk_norm", "none"],
     ["--model.attn_backend", "varlen"],  # no mask; each attention output kept per document and concatenated
 ], ids=["single", "accumulation", "moe", "moe-sigmoid-shared", "varlen"])
 @AUTOCAST_NOT_MODELLED

@@ -12,7 +12,7 @@ from tests.conftest import load_plan
 from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.models.llama import LlamaArgs, Transformer
-from trainer.models.llama.tp_plan import build_tp_plan
+from trainer.models.decoder.tp_plan import build_tp_plan
 from trainer.models.registry import ModelLayout
 from trainer.parallel.auto_tp import derive_tp_plan
 

@@ -39,7 +39,7 @@ BAD = [
     ([OVR + "n_layers", "-1"], "[model.overrides] n_layers=-1: must be >= 1"),
     ([OVR + "vocab_size", "0"], "[model.overrides] vocab_size=0: must be >= 1"),
     ([OVR + "norm_eps", "-1.0"], "[model.overrides] norm_eps=-1.0: must be > 0"),
-    ([OVR + "n_heads", "256"], "head size dim / n_heads = 1 must be even"),
+    ([OVR + "n_heads", "256"], "n_heads=256: the head size 1 must be even"),
     # sizes that would exhaust memory: refused by arithmetic before anything is allocated
     ([OVR + "dim", "100000000"], "GiB per device for weights, gradients and Adam state"),
     (["--training.local_batch_size", "1000000000"], "[training] local_batch_size=1000000000, seq_len=256: the logits"),

@@ -8,8 +8,8 @@ import torch
 from trainer.models import get_model_spec
 from trainer.models.init import materialize_
 from trainer.models.llama import LlamaArgs, Transformer
-from trainer.models.llama.args import FLAVORS
-from trainer.models.llama.model import llama_flops_per_token
+from trainer.models.llama import FLAVORS
+from trainer.models.decoder.model import decoder_flops_per_token as llama_flops_per_token
 
 ARGS = LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=300, multiple_of=32, max_seq_len=16)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import trainer.models.llama.model as llama
+import trainer.models.decoder.model as llama
 from tests.distributed.harness import PARITY, PARITY_RUN
 from tests.parity import RTOL, Recorder, compare, record
 from trainer.config import load_config

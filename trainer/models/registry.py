@@ -176,9 +176,10 @@ class ModelSpec:
     """For a family without ``positions``: its buffers indexed by sequence position (e.g. a rotary table), which
     context parallelism re-indexes to each rank's tokens; such a family supports context parallelism under causal
     attention when its attention is a causal F.scaled_dot_product_attention."""
-    parallel_limits: Callable[[Any, Any], str | None] = lambda args, dims: None
-    """(args, ParallelDims) -> why a model built from these args cannot run under these parallel degrees (one line
-    naming the keys; the job is refused with it when planned), or None."""
+    job_limits: Callable[[Any, Any], str | None] = lambda args, dims: None
+    """(args for the job's sequence length, ParallelDims) -> why a model built from these args cannot run this job
+    (its sequence length, its parallel degrees), as one line naming the keys (the job is refused with it when
+    planned), or None."""
     positions: bool = False
     """Whether the model's forward takes ``positions=``: (batch, seq) each token's position within its document
     (trainer.data.documents), by which it rotates its tokens and builds its mask with
@@ -278,6 +279,8 @@ def resolve_model_args(spec: ModelSpec, model_section: Model) -> Any:
             hint = f"did you mean '{close[0]}'?" if close else f"fields: {', '.join(fields)}"
             raise ConfigError(f"[model.overrides] {key}: not a field of {spec.name} args; {hint}")
         current = getattr(args, key)
+        if value is None and type(None) in typing.get_args(hints.get(key)):  # unset an optional field (a window, ...)
+            continue
         if current is not None and not _same_kind(current, value):
             raise ConfigError(
                 f"[model.overrides] {key}: got {value!r}, expected a {type(current).__name__}"

@@ -1,13 +1,16 @@
 """The built-in mixture-of-experts family, registered as ``[model] name = "moe"``."""
 
-from trainer.models.llama.model import TIED_WEIGHTS
+from trainer.models.decoder.model import TIED_WEIGHTS
 from trainer.models.moe import hf
 from trainer.models.moe.args import FLAVORS, MoEArgs, validate_moe_args
 from trainer.models.moe.model import MoE, MoETransformer, moe_activation_bytes, moe_after_step, moe_flops_per_token
+from trainer.models.decoder.spec import decoder_job_limits
 from trainer.models.registry import ModelSpec, register_model
 
 
-def moe_parallel_limits(args: MoEArgs, dims) -> str | None:
+def moe_job_limits(args: MoEArgs, dims) -> str | None:
+    if why := decoder_job_limits(args, dims):
+        return why
     if dims.cp > 1 and args.aux_loss_coef > 0:
         return (f"[parallelism] context_parallel_degree={dims.cp} with model family moe: the sequence-wise balance"
                 f" loss ([model.overrides] aux_loss_coef = {args.aux_loss_coef:g}) is computed over each whole"
@@ -34,7 +37,7 @@ register_model(
         tied_weights=TIED_WEIGHTS,
         tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads},
         positions=True,
-        parallel_limits=moe_parallel_limits,
+        job_limits=moe_job_limits,
         validate_args=validate_moe_args,
         after_step=moe_after_step,
         num_experts=lambda args: args.n_experts,

@@ -1,27 +1,23 @@
-"""Mixture-of-experts decoder hyper-parameters and the presets selectable as ``[model] flavor``."""
+"""Mixture-of-experts decoder hyper-parameters and the presets selectable as ``[model] flavor``: the shared decoder's
+options (trainer.models.decoder.args) and the experts'."""
 
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from trainer.errors import ConfigError
-from trainer.models.llama.args import MAX_LAYERS, MAX_SIZE
+from trainer.models.decoder.args import MAX_SIZE, DecoderArgs, validate_decoder_args
 
 
 @dataclass(frozen=True, kw_only=True)
-class MoEArgs:
+class MoEArgs(DecoderArgs):
     dim: int = 2048
     n_layers: int = 48
     n_heads: int = 32
-    n_kv_heads: int | None = None  # None = n_heads
-    head_dim_override: int | None = None  # None = dim // n_heads (Qwen 3 MoE uses 128 with dim 2048 and 32 heads)
     vocab_size: int = 151936
     norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
-    max_seq_len: int = 8192  # length of the rotary table; set to [training] seq_len at build
-    tie_embeddings: bool = False
-    attn_backend: str = "sdpa"  # [model] attn_backend: "varlen" attends document by document (block-causal, CPU)
-    qk_norm: bool = True  # RMSNorm over each head of q and k (Qwen 3)
+    qk_norm: Literal["none", "head", "projection"] = "head"  # RMSNorm over each head of q and k (Qwen 3)
     # Feed-forward: the first n_dense_layers blocks are dense SwiGLU of dense_hidden_dim; the rest are MoE.
     n_dense_layers: int = 0
     dense_hidden_dim: int = 6144
@@ -41,30 +37,20 @@ class MoEArgs:
     # false = one matmul chain per expert everywhere (the path every other device and dtype takes).
     use_grouped_mm: bool = True
 
-    @property
-    def head_dim(self) -> int:
-        return self.head_dim_override or self.dim // self.n_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.n_kv_heads or self.n_heads
-
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.n_dense_layers
 
 
 def validate_moe_args(a: MoEArgs) -> None:
     """One-line errors for args that cannot build a working model, naming the override key."""
+    validate_decoder_args(a)
 
     def bad(key: str, why: str) -> ConfigError:
         return ConfigError(f"[model.overrides] {key}={getattr(a, key)!r}: {why}")
 
-    for key in ("dim", "n_layers", "n_heads", "vocab_size", "n_experts", "top_k", "expert_hidden_dim"):
+    for key in ("n_experts", "top_k", "expert_hidden_dim"):
         if getattr(a, key) < 1:
             raise bad(key, "must be >= 1")
-    for key in ("n_kv_heads", "head_dim_override"):
-        if getattr(a, key) is not None and getattr(a, key) < 1:
-            raise bad(key, "must be >= 1 (or unset)")
     for key in ("n_dense_layers", "n_shared_experts"):
         if getattr(a, key) < 0:
             raise bad(key, "must be >= 0")
@@ -76,28 +62,17 @@ def validate_moe_args(a: MoEArgs) -> None:
             raise bad(key, f"must be <= {ceiling:g}")
     if a.n_dense_layers and a.dense_hidden_dim < 1:
         raise bad("dense_hidden_dim", "must be >= 1 when n_dense_layers > 0")
-    for key in ("dim", "n_heads", "n_kv_heads", "head_dim_override", "vocab_size", "max_seq_len", "n_experts",
-                "expert_hidden_dim", "dense_hidden_dim", "n_shared_experts"):
+    for key in ("n_experts", "expert_hidden_dim", "dense_hidden_dim", "n_shared_experts"):
         if (getattr(a, key) or 0) > MAX_SIZE:
             raise bad(key, f"must be <= {MAX_SIZE}")
-    if a.n_layers > MAX_LAYERS:
-        raise bad("n_layers", f"must be <= {MAX_LAYERS}")
-    for key in ("norm_eps", "rope_theta", "route_scale", "bias_update_speed", "aux_loss_coef"):
+    for key in ("route_scale", "bias_update_speed", "aux_loss_coef"):
         if not math.isfinite(getattr(a, key)):
             raise bad(key, "must be a finite number")
-    for key in ("norm_eps", "rope_theta", "route_scale"):
-        if not getattr(a, key) > 0:
-            raise bad(key, "must be > 0")
+    if not a.route_scale > 0:
+        raise bad("route_scale", "must be > 0")
     for key in ("bias_update_speed", "aux_loss_coef"):
         if getattr(a, key) < 0:
             raise bad(key, "must be >= 0 (0 = off)")
-    if a.head_dim_override is None and a.dim % a.n_heads:
-        raise bad("n_heads", f"must divide dim={a.dim} (or set head_dim_override)")
-    if a.head_dim % 2:
-        raise bad("head_dim_override" if a.head_dim_override is not None else "n_heads",
-                  f"the head size {a.head_dim} must be even (rotary embeddings)")
-    if a.n_heads % a.num_kv_heads:
-        raise bad("n_kv_heads", f"must divide n_heads={a.n_heads} (grouped-query attention)")
     if a.top_k > a.n_experts:
         raise bad("top_k", f"must be <= n_experts={a.n_experts}")
     if a.score_func not in ("softmax", "sigmoid"):
@@ -111,7 +86,7 @@ FLAVORS = {
     # DeepSeek-V3-style routing at debug size: sigmoid scores, one shared expert, bias-based load balancing.
     "debugmodel_shared": MoEArgs(dim=256, n_layers=4, n_heads=16, n_kv_heads=8, vocab_size=2048, n_dense_layers=1,
                                  dense_hidden_dim=512, n_experts=8, top_k=2, expert_hidden_dim=128,
-                                 n_shared_experts=1, score_func="sigmoid", route_scale=2.5, qk_norm=False,
+                                 n_shared_experts=1, score_func="sigmoid", route_scale=2.5, qk_norm="none",
                                  bias_update_speed=1e-3),
     # The released Qwen 3 MoE shapes (config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B).
     "qwen3-30b-a3b": MoEArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim_override=128,

@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.dtensor import local_tensor
-from trainer.models.llama.model import (
-    Attention,
-    DocumentLengths,
+from trainer.models.decoder.model import (
     FeedForward,
     Transformer,
+    TransformerBlock,
     attention_activation_bytes,
+    attention_flops,
+    decoder_activation_bytes,
     swiglu_activation_bytes,
 )
 from trainer.models.moe.args import MoEArgs
@@ -188,29 +189,19 @@ class MoE(nn.Module, ExpertLayer):
         return out
 
 
-class MoEBlock(nn.Module):
-    def __init__(self, args: MoEArgs, layer_id: int):
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.attention = Attention(args.dim, args.n_heads, args.num_kv_heads, args.head_dim, qk_norm=args.qk_norm,
-                                   norm_eps=args.norm_eps)
-        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        # Dense blocks and MoE blocks name their feed-forward differently, so that the TP plan and
-        # the HF mapping can tell them apart by name.
-        if args.is_moe_layer(layer_id):
-            self.moe = MoE(args)
-        else:
-            self.feed_forward = FeedForward(args.dim, args.dense_hidden_dim)
+class MoEBlock(TransformerBlock):
+    """The shared decoder's block whose feed-forward is ``moe`` (a mixture of experts) or, in the first
+    ``n_dense_layers`` blocks, a dense ``feed_forward`` of ``dense_hidden_dim``."""
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: "torch.Tensor | DocumentLengths | None" = None
-                ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask=mask)
-        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+    def __init__(self, args: MoEArgs, layer_id: int):
+        if args.is_moe_layer(layer_id):
+            super().__init__(args, layer_id, MoE(args), ffn_name="moe")
+        else:
+            super().__init__(args, layer_id, FeedForward(args.dim, args.dense_hidden_dim, args.activation))
 
 
 class MoETransformer(Transformer):
-    """Llama's embedding, norm, output and rotary table around MoE blocks (see MoEBlock)."""
+    """The shared decoder's embedding, norm, output and rotary table around MoE blocks (see MoEBlock)."""
 
     def make_block(self, args: MoEArgs, layer_id: int) -> nn.Module:
         return MoEBlock(args, layer_id)
@@ -267,7 +258,7 @@ def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
     dense = (args.n_layers - n_moe) * 3 * args.dim * args.dense_hidden_dim
     active = args.dim * args.n_experts + 3 * args.dim * args.expert_hidden_dim * (args.top_k + args.n_shared_experts)
     matmul_params = args.n_layers * attn + dense + n_moe * active + args.dim * args.vocab_size
-    return 6 * matmul_params + 12 * args.n_layers * q_dim * seq_len
+    return 6 * matmul_params + attention_flops(args, seq_len)
 
 
 def moe_activation_bytes(args: MoEArgs, *, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False,
@@ -287,9 +278,12 @@ def moe_activation_bytes(args: MoEArgs, *, dtype_bytes: int, tp: int = 1, sequen
     tensor parallelism (each MoE block runs whole on every tp rank, with gathered inputs under SP)."""
     if tp > 1:
         return "not modelled for the moe family under tensor parallelism"
+    unmodelled = decoder_activation_bytes(args, dtype_bytes=dtype_bytes, tp=tp, loss_parallel=loss_parallel)
+    if isinstance(unmodelled, str):  # a decoder option the estimate leaves out
+        return unmodelled
     b, k, e = dtype_bytes, args.top_k, args.n_experts
     norm, attention, outer = attention_activation_bytes(args, dtype_bytes=b, tp=tp, sequence_parallel=False,
-                                                        loss_parallel=loss_parallel, qk_norm=args.qk_norm)
+                                                        loss_parallel=loss_parallel, qk_norm=args.qk_norm == "head")
     router = 4 * e + 8 * e + (4 * k + 4 if args.norm_topk else 0) + (4 * k if b == 4 else 4 * args.dim + b * k)
     per_row = b * args.dim + swiglu_activation_bytes(args.expert_hidden_dim, b)
     routed = 8 * k + 8 * k + b * k * args.dim + k * per_row

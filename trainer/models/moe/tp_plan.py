@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInputOutput, RowwiseParallel
 
-from trainer.models.llama.tp_plan import build_tp_plan as llama_plan
+from trainer.models.decoder.tp_plan import build_tp_plan as llama_plan
 
 
 class HeadNormParallel(ParallelStyle):

@@ -1,4 +1,5 @@
-"""Tensor-parallel plan of the Llama family, applied from outside by trainer.parallel.tp.
+"""Tensor-parallel plan of the shared decoder, applied from outside by trainer.parallel.tp (a block plan entry whose
+module a block lacks, such as a norm after the branch, is skipped).
 
 Column-wise q/k/v and gate/up projections, row-wise output and down projections (one
 all-reduce or reduce-scatter per attention and per MLP), a vocabulary-parallel embedding,
@@ -48,7 +49,9 @@ def build_tp_plan(
         block.update(
             {
                 "attention_norm": SequenceParallel(),
+                "attention_out_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
+                "ffn_out_norm": SequenceParallel(),
                 # forward(x, rope): gather x's sequence shards; rope is a plain, replicated tensor.
                 "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
                                                 desired_input_layouts=(Replicate(), None)),

@@ -1,0 +1,110 @@
+"""The dense model families people bring from the Hub (issue 60), each against transformers' own class, on tiny
+random models made with the options of the family's published config.json: the imported model computes
+transformers' logits (relative 1e-5, float32), greedy generation of 20 tokens gives transformers' tokens with and
+without our KV cache, and after one training step the exported folder computes our logits in transformers.
+
+The prompt is longer than the sliding windows (8 tokens), so the windows are exercised in the forward and in
+generation's cache; norms are moved away from their initial values so that a weight laid out wrongly shows.
+"""
+
+import pytest
+import torch
+import transformers
+
+from tests.integration.test_hf_roundtrip import PROMPT, logits_of
+from trainer import convert
+from trainer import generate as gen
+from trainer.config import load_config
+from trainer.convert import load_checkpoint
+from trainer.data.tokenizer import HFTokenizer, Tokenizer
+from trainer.train import main
+
+T = transformers
+VOCAB = 512
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=96, rms_norm_eps=1e-6, max_position_embeddings=128, bos_token_id=VOCAB - 2,
+             eos_token_id=VOCAB - 1, initializer_range=0.2, tie_word_embeddings=False)
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+# case: (our family, transformers model class, config class, options)
+CASES = {
+    "llama-3.1": ("llama3", T.LlamaForCausalLM, T.LlamaConfig, dict(rope_parameters=LLAMA31)),
+    "llama-3.2-tied": ("llama3", T.LlamaForCausalLM, T.LlamaConfig, dict(
+        rope_parameters={**LLAMA31, "factor": 32.0}, tie_word_embeddings=True, head_dim=8)),
+    "llama-linear": ("llama3", T.LlamaForCausalLM, T.LlamaConfig, dict(
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})),
+    "llama-dynamic": ("llama3", T.LlamaForCausalLM, T.LlamaConfig, dict(
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),
+    "qwen2": ("qwen2", T.Qwen2ForCausalLM, T.Qwen2Config, dict(rope_parameters={"rope_theta": 1e6})),
+    "qwen3": ("qwen3", T.Qwen3ForCausalLM, T.Qwen3Config, dict(head_dim=32, rope_parameters={"rope_theta": 1e6})),
+    "mistral": ("mistral", T.MistralForCausalLM, T.MistralConfig, dict(sliding_window=8)),
+    "mistral-full": ("mistral", T.MistralForCausalLM, T.MistralConfig, dict(sliding_window=None)),
+    "olmo2": ("olmo2", T.Olmo2ForCausalLM, T.Olmo2Config, dict(rope_parameters={"rope_theta": 5e5})),
+    "gemma3_text": ("gemma3_text", T.Gemma3ForCausalLM, T.Gemma3TextConfig, dict(
+        **GEMMA, tie_word_embeddings=True, rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    "gemma2": ("gemma2", T.Gemma2ForCausalLM, T.Gemma2Config, dict(
+        **GEMMA, tie_word_embeddings=True, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "granite": ("granite", T.GraniteForCausalLM, T.GraniteConfig, dict(
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
+}
+
+
+def hf_model(case: str):
+    _, model_cls, config_cls, options = CASES[case]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**SMALL, **options})).eval()
+    with torch.no_grad():  # norms away from their initial values, so that a wrong layout of a norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape))
+            elif name.endswith("proj.bias"):
+                p.add_(0.5 * torch.randn(p.shape))
+    return model
+
+
+def test_every_case_names_a_registered_family():
+    from trainer.models import get_model_spec
+
+    for case, (family, _, _, _) in CASES.items():
+        assert get_model_spec(family).hf.model_type == hf_model(case).config.model_type, case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_family_imports_trains_exports_and_generates_like_transformers(case, tmp_path):
+    family = CASES[case][0]
+    source = hf_model(case)
+    source.save_pretrained(str(tmp_path / "hf"))
+    Tokenizer(max_ranks=VOCAB - 2).save_hf(tmp_path / "hf")
+    assert convert.run(["from-hf", str(tmp_path / "hf"), str(tmp_path / "seed")]) == 0
+    assert f'name = "{family}"' in (tmp_path / "seed" / "model.toml").read_text()
+    tok = HFTokenizer(tmp_path / "seed" / "tokenizer.json")
+    ids = tok.encode(PROMPT, bos=True)
+    assert len(ids) > 8  # longer than the sliding windows
+    seed = load_checkpoint(tmp_path / "seed" / "checkpoint",
+                           ["--job.config_file", str(tmp_path / "seed" / "model.toml")], key="test", seq_len=64)
+    torch.testing.assert_close(logits_of(seed.model, ids), logits_of(source, ids), rtol=1e-5, atol=1e-5)
+
+    # Greedy generation: transformers' 20 tokens, with and without our KV cache.
+    theirs = source.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):].tolist()
+    assert gen.generate(seed.model, ids, max_new_tokens=20, eos_id=None) == theirs
+    assert gen.generate(seed.model, ids, max_new_tokens=20, eos_id=None, kv_cache=False) == theirs
+
+    # One training step (under the default block-causal attention), exported, computes our logits in transformers.
+    job = tmp_path / "job.toml"
+    job.write_text(f'extends = "{tmp_path / "seed" / "model.toml"}"\n[training]\nsteps = 1\nseq_len = 32\n'
+                   f'local_batch_size = 2\nmixed_precision_param = "float32"\n[checkpoint]\nenable = true\n'
+                   f'[metrics]\nenable_tensorboard = false\n[job]\ndump_folder = "{tmp_path / "run"}"\n')
+    assert main(load_config(job)).losses
+    step = tmp_path / "run" / "checkpoint" / "step-1"
+    assert convert.run(["to-hf", str(step), str(tmp_path / "out")]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    assert type(exported) is type(source)
+    ours = load_checkpoint(step, [], key="test", seq_len=64)
+    trained = logits_of(ours.model, ids)
+    assert not torch.allclose(trained, logits_of(seed.model, ids))  # the step changed the weights
+    torch.testing.assert_close(logits_of(exported, ids), trained, rtol=1e-5, atol=1e-5)
