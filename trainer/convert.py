@@ -230,6 +230,10 @@ def from_hf(folder: Path, out: Path) -> str:
 
     key = "from-hf HF_FOLDER"
     check_new_folder(out, "from-hf OUT_FOLDER")
+    from trainer.hub import hub_folder, is_hub_id
+
+    if is_hub_id(str(folder)):
+        folder = hub_folder(str(folder), key)
     if not folder.is_dir():
         raise not_found(key, folder, "folder not found")
     loaded = load_hf(folder, key=key, seq_len=1)

@@ -338,6 +338,13 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
 def adopt_imported_model(config: JobConfig, spec: ModelSpec) -> JobConfig:
     """The config with ``[model]`` taken from config.json when the run starts from a Hugging Face folder
     (trainer.hf.adopt_hf_config); otherwise unchanged."""
+    source = config.checkpoint.initial_load_path
+    if source:
+        from trainer.hub import hub_folder, is_hub_id
+
+        if is_hub_id(source):  # the Hub's copy, in the Hugging Face cache; the run reads it from the folder
+            config = dataclasses.replace(config, checkpoint=dataclasses.replace(
+                config.checkpoint, initial_load_path=str(hub_folder(source, "[checkpoint] initial_load_path"))))
     folder = Path(config.checkpoint.initial_load_path) if config.checkpoint.initial_load_path else None
     if folder is None or not (folder / "config.json").is_file() or spec.hf is None or not spec.hf.reads_config:
         return config

@@ -50,6 +50,8 @@ CASES = {
         **GEMMA, tie_word_embeddings=True, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
     "granite": ("granite", T.GraniteForCausalLM, T.GraniteConfig, dict(
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
+    "mixtral": ("mixtral", T.MixtralForCausalLM, T.MixtralConfig, dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=None, rope_parameters={"rope_theta": 1e6})),
 }
 
 
@@ -108,3 +110,37 @@ def test_a_family_imports_trains_exports_and_generates_like_transformers(case, t
     trained = logits_of(ours.model, ids)
     assert not torch.allclose(trained, logits_of(seed.model, ids))  # the step changed the weights
     torch.testing.assert_close(logits_of(exported, ids), trained, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hub_id_is_read_from_the_cache_offline_or_said_in_one_line(tmp_path, monkeypatch, capsys):
+    """``convert from-hf`` and ``[checkpoint] initial_load_path`` take a Hub id: offline (as every test runs), a model
+    in the Hugging Face cache (a local mirror) is used; one that is not is one line naming the argument or key."""
+    import huggingface_hub.constants
+
+    from tests.conftest import load_plan
+    from trainer.errors import UserError
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    revision = "0" * 40
+    snapshot = cache / "models--org--tiny-qwen3" / "snapshots" / revision
+    hf_model("qwen3").save_pretrained(str(snapshot))
+    Tokenizer(max_ranks=VOCAB - 2).save_hf(snapshot)
+    (cache / "models--org--tiny-qwen3" / "refs").mkdir()
+    (cache / "models--org--tiny-qwen3" / "refs" / "main").write_text(revision)
+
+    assert convert.run(["from-hf", "org/tiny-qwen3", str(tmp_path / "seed")]) == 0
+    assert 'name = "qwen3"' in (tmp_path / "seed" / "model.toml").read_text()
+    plan = load_plan(["--model.name", "qwen3", "--checkpoint.initial_load_path", "org/tiny-qwen3"], 1)
+    assert plan.config.checkpoint.initial_load_path == str(snapshot)  # the run reads the cached folder
+    assert (plan.model_args.dim, plan.model_args.head_dim) == (64, 32)  # config.json's shape adopted
+
+    capsys.readouterr()
+    assert convert.run(["from-hf", "org/absent", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert ("error: from-hf HF_FOLDER: org/absent is not a folder here, not in the Hugging Face cache, and the Hub"
+            " cannot be reached") in err
+    with pytest.raises(UserError, match=r"\[checkpoint\] initial_load_path: org/absent is not a folder here"):
+        load_plan(["--model.name", "qwen3", "--checkpoint.initial_load_path", "org/absent"], 1)

@@ -265,6 +265,10 @@ def _check_files(config: JobConfig) -> None:
             found = not path or Path(path).exists()
         except OSError as e:
             raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
+        if not found and key == "[checkpoint] initial_load_path":
+            from trainer.hub import is_hub_id
+
+            found = is_hub_id(path)  # a Hugging Face Hub id: the plan fetches it (trainer.hub)
         if not found:
             raise not_found(key, path)
         if path and key in _FILE_KEYS and Path(path).is_dir():

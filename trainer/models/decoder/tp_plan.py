@@ -6,7 +6,9 @@ all-reduce or reduce-scatter per attention and per MLP), a vocabulary-parallel e
 and the output projection sharded over the vocabulary for loss parallelism.
 """
 
-from torch.distributed.tensor import Replicate, Shard
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -14,6 +16,19 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+
+class HeadNormParallel(ParallelStyle):
+    """The per-head q/k RMSNorm on (batch, seq, heads, head_dim) whose heads are split over the tp ranks: the
+    weight is a replicated DTensor, so its gradient (each rank's heads contribute) is summed over the ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh,
+            input_fn=lambda mod, inputs, mesh: tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
+                                                     for t in inputs),
+            output_fn=lambda mod, out, mesh: out.to_local(),
+        )
 
 
 def build_tp_plan(
@@ -43,15 +58,19 @@ def build_tp_plan(
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        # per-head q/k norms (Qwen 3, Gemma 3); a norm over the whole projection is refused under TP
+        "attention.q_norm": HeadNormParallel(),
+        "attention.k_norm": HeadNormParallel(),
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
         block.update(
             {
                 "attention_norm": SequenceParallel(),
-                "attention_out_norm": SequenceParallel(),
+                # after a branch, added to the (local) residual stream: its output a local tensor too
+                "attention_out_norm": SequenceParallel(use_local_output=True),
                 "ffn_norm": SequenceParallel(),
-                "ffn_out_norm": SequenceParallel(),
+                "ffn_out_norm": SequenceParallel(use_local_output=True),
                 # forward(x, rope): gather x's sequence shards; rope is a plain, replicated tensor.
                 "attention": PrepareModuleInput(input_layouts=(Shard(1), None),
                                                 desired_input_layouts=(Replicate(), None)),

@@ -12,8 +12,8 @@ def moe_job_limits(args: MoEArgs, dims) -> str | None:
     if why := decoder_job_limits(args, dims):
         return why
     if dims.cp > 1 and args.aux_loss_coef > 0:
-        return (f"[parallelism] context_parallel_degree={dims.cp} with model family moe: the sequence-wise balance"
-                f" loss ([model.overrides] aux_loss_coef = {args.aux_loss_coef:g}) is computed over each whole"
+        return (f"[parallelism] context_parallel_degree={dims.cp} with a mixture of experts: the sequence-wise"
+                f" balance loss ([model.overrides] aux_loss_coef = {args.aux_loss_coef:g}) is computed over each whole"
                 " sequence; set aux_loss_coef = 0 (balancing by bias_update_speed needs no whole sequences)")
     return None
 
@@ -25,11 +25,12 @@ def build_tp_plan(**kwargs):
     return build(**kwargs)
 
 
-register_model(
-    ModelSpec(
-        name="moe",
+def moe_spec(name: str, flavors: dict[str, MoEArgs], hf_adapter) -> ModelSpec:
+    """The ModelSpec of a mixture-of-experts family: ``flavors`` its presets, ``hf_adapter`` its checkpoint mapping."""
+    return ModelSpec(
+        name=name,
         model_cls=MoETransformer,
-        flavors=FLAVORS,
+        flavors=flavors,
         flops_per_token=moe_flops_per_token,
         activation_bytes=moe_activation_bytes,
         build_tp_plan=build_tp_plan,
@@ -41,8 +42,10 @@ register_model(
         validate_args=validate_moe_args,
         after_step=moe_after_step,
         num_experts=lambda args: args.n_experts,
-        hf=hf.MoEHF(),
+        hf=hf_adapter,
     )
-)
 
-__all__ = ["MoE", "MoEArgs", "MoETransformer"]
+
+register_model(moe_spec("moe", FLAVORS, hf.MoEHF()))
+
+__all__ = ["MoE", "MoEArgs", "MoETransformer", "moe_spec"]

@@ -7,33 +7,16 @@ part of the result on exit; every tensor-parallel rank routes the same tokens to
 experts, so the expert and router gradients are equal across those ranks and need no reduction.
 """
 
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInputOutput, RowwiseParallel
 
 from trainer.models.decoder.tp_plan import build_tp_plan as llama_plan
-
-
-class HeadNormParallel(ParallelStyle):
-    """The per-head q/k RMSNorm on (batch, seq, heads, head_dim) whose heads are split over the tp ranks: the
-    weight is a replicated DTensor, so its gradient (each rank's heads contribute) is summed over the ranks."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(
-            module, device_mesh,
-            input_fn=lambda mod, inputs, mesh: tuple(DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
-                                                     for t in inputs),
-            output_fn=lambda mod, out, mesh: out.to_local(),
-        )
 
 
 def build_tp_plan(*, sequence_parallel: bool,
                   loss_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
     top, block = llama_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     block.update({
-        "attention.q_norm": HeadNormParallel(),
-        "attention.k_norm": HeadNormParallel(),
         "moe.shared_experts.w1": ColwiseParallel(),
         "moe.shared_experts.w3": ColwiseParallel(),
         "moe.shared_experts.w2": RowwiseParallel(),

@@ -1,0 +1,30 @@
+"""Each family's config at a published size plans on one node of 8 GPUs (the dry run: no device needed), with the
+published shape (parameter count within 2% of the model card's) and the family's options in the plan."""
+
+import pytest
+
+from tests.conftest import load_plan
+from trainer.dry_run import describe_plan
+
+# config file: (family, published parameters in billions, a line the dry run prints)
+CONFIGS = {
+    "llama3_2_1b": ("llama3", 1.24, "Model: llama3 3.2-1B"),
+    "llama3_1_8b": ("llama3", 8.03, "Model: llama3 3.1-8B"),
+    "qwen2_5_7b": ("qwen2", 7.62, "Model: qwen2 2.5-7B"),
+    "qwen3_8b": ("qwen3", 8.19, "Model: qwen3 8B"),
+    "mistral_7b": ("mistral", 7.24, "Model: mistral 7B-v0.1"),
+    "olmo2_7b": ("olmo2", 7.30, "Model: olmo2 7B"),
+    "gemma3_1b": ("gemma3_text", 1.00, "Model: gemma3_text 1B"),
+    "gemma2_2b": ("gemma2", 2.61, "Model: gemma2 2B"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_family_config_plans_on_8_gpus(name, tmp_path):
+    family, billions, line = CONFIGS[name]
+    plan = load_plan(["--job.dump_folder", str(tmp_path)], 8, config_file=f"configs/{name}.toml", check_memory=False)
+    assert plan.spec.name == family
+    assert plan.num_params == pytest.approx(billions * 1e9, rel=0.02)
+    text = describe_plan(plan)
+    assert line in text and "dp_shard 8 * cp 1 * tp 1 * pp 1 = 8 ranks" in text
+    assert "attention block_causal (within documents)" in text
