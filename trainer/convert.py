@@ -17,8 +17,9 @@ those weights. Bad input prints one line and exits 2.
 """
 
 import argparse
-import json
+import contextlib
 import logging
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.parallel.dims import ParallelDims
+from trainer.jsonfile import read_json
 from trainer.errors import ConfigError, UserError, error_lines, one_line
 
 logger = logging.getLogger("trainer.convert")
@@ -47,12 +49,39 @@ class Loaded:
     """The ``[model]`` section that describes it."""
     stop_ids: tuple[int, ...] = ()
     """End-of-generation ids besides the tokenizer's end-of-text (a folder's generation_config.json)."""
+    context: tuple[int, str] | None = None
+    """(the positions the model was made for, where that number comes from), if known."""
 
 
 def check_new_folder(out: Path, key: str) -> None:
     """The output goes into a new or empty folder: nothing of the user's is overwritten."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    try:
+        taken = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    except OSError as e:
+        raise UserError(f"{key}: cannot use {out} ({e.strerror or e})") from None
+    if taken:
         raise UserError(f"{key}: {out} exists and is not an empty folder; name a new folder")
+
+
+@contextlib.contextmanager
+def output_folder(out: Path, key: str):
+    """Create ``out`` (a new or empty folder) for a command's output; if the command fails, what it created is
+    removed again, so nothing half-written is left behind."""
+    check_new_folder(out, key)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{key}: cannot create {out} ({e.strerror or e})") from None
+    try:
+        yield out
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:  # an empty folder the user gave: emptied again
+            for child in out.iterdir():
+                shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        raise
 
 
 def job_config_of(step: Path, key: str) -> Path:
@@ -132,7 +161,13 @@ def load_checkpoint(step: Path, overrides: list[str], *, key: str, seq_len: int 
         raise UserError(f"{key}: cannot load {step} into {config.model.name} {config.model.flavor} ({first[:300]});"
                         " was it saved from another model shape?") from None
     cast_parameters_(model, dtype)
-    return Loaded(model.eval(), spec, args, build_tokenizer(config.model, spec.vocab_size(args)), config.model)
+    from trainer.hf import model_context
+
+    own = model_context(spec, config.model) or 0
+    context = ((own, "the model's max_seq_len") if own > config.training.seq_len
+               else (config.training.seq_len, "the run's [training] seq_len"))
+    return Loaded(model.eval(), spec, args, build_tokenizer(config.model, spec.vocab_size(args)), config.model,
+                  context=context)
 
 
 def cast_parameters_(model, dtype) -> None:
@@ -180,7 +215,10 @@ def load_hf(folder: Path, *, key: str, seq_len: int, device="cpu", dtype=None) -
     load_hf_([model], spec, args, folder, key=key)
     cast_parameters_(model, dtype)
     tokenizer = HFTokenizer(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
-    return Loaded(model.eval(), spec, args, tokenizer, section, _stop_ids(folder, key))
+    positions = config.get("max_position_embeddings")
+    context = ((positions, "its config.json max_position_embeddings")
+               if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None)
+    return Loaded(model.eval(), spec, args, tokenizer, section, _stop_ids(folder, key), context)
 
 
 def _stop_ids(folder: Path, key: str) -> tuple[int, ...]:
@@ -188,13 +226,10 @@ def _stop_ids(folder: Path, key: str) -> tuple[int, ...]:
     path = folder / "generation_config.json"
     if not path.is_file():
         return ()
-    try:
-        ids = json.loads(path.read_text()).get("eos_token_id")
-        ids = [ids] if isinstance(ids, int) else list(ids or [])
-        if not all(isinstance(i, int) for i in ids):
-            raise TypeError(f"eos_token_id {ids!r} is not a list of ids")
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise UserError(f"{key}: {path} is not a generation config ({type(e).__name__}: {e})") from None
+    given = read_json(path, key, what="generation config").get("eos_token_id")
+    ids = [given] if isinstance(given, int) else given if isinstance(given, list) else [] if given is None else None
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise UserError(f"{key}: {path} eos_token_id = {given!r}: expected a token id or a list of them")
     return tuple(ids)
 
 
@@ -214,24 +249,21 @@ def to_hf(step: Path, out: Path, overrides: list[str], dtype_name: str | None) -
     if why := loaded.spec.hf.unsupported(loaded.args):
         raise UserError(f"{key}: the Hugging Face class of {loaded.spec.name} cannot hold this model: {why}")
     dtype = torch_dtype(dtype_name) if dtype_name else torch.float32
-    export_hf([loaded.model], loaded.spec, loaded.args, out, dtype, pp_rank=0, pp=1, writer=True,
-              tokenizer=loaded.tokenizer)
+    with output_folder(out, "to-hf OUT_FOLDER"):
+        try:
+            export_hf([loaded.model], loaded.spec, loaded.args, out, dtype, pp_rank=0, pp=1, writer=True,
+                      tokenizer=loaded.tokenizer, context=loaded.context and loaded.context[0])
+        except OSError as e:  # a full disk, a quota
+            raise UserError(f"to-hf OUT_FOLDER: cannot write {out} ({e.strerror or e})") from None
     return f"wrote {out}: {loaded.spec.name} weights in {str(dtype).removeprefix('torch.')}, config.json, tokenizer"
 
 
 def from_hf(folder: Path, out: Path) -> str:
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    from trainer.checkpoint import merge_shares
-    from trainer.config.render import toml_value
-
     from trainer.errors import not_found
+    from trainer.hub import hub_folder, is_hub_id
 
     key = "from-hf HF_FOLDER"
     check_new_folder(out, "from-hf OUT_FOLDER")
-    from trainer.hub import hub_folder, is_hub_id
-
     if is_hub_id(str(folder)):
         folder = hub_folder(str(folder), key)
     if not folder.is_dir():
@@ -239,7 +271,25 @@ def from_hf(folder: Path, out: Path) -> str:
     loaded = load_hf(folder, key=key, seq_len=1)
     section = loaded.section
     flavor, overrides, tied = section.flavor, section.overrides, section.tie_embeddings
-    out.mkdir(parents=True, exist_ok=True)
+    vocab = loaded.spec.vocab_size(loaded.args)
+    if loaded.tokenizer is not None and loaded.tokenizer.vocab_size > vocab:
+        raise UserError(f"{key}: {folder}/tokenizer.json has {loaded.tokenizer.vocab_size:,} tokens and the model's"
+                        f" vocabulary {vocab:,}: the ids past {vocab - 1:,} have no embedding")
+    with output_folder(out, "from-hf OUT_FOLDER"):
+        try:
+            return _write_seed(loaded, folder, out, flavor, overrides, tied)
+        except OSError as e:  # a full disk, a quota
+            raise UserError(f"from-hf OUT_FOLDER: cannot write {out} ({e.strerror or e})") from None
+
+
+def _write_seed(loaded, folder: Path, out: Path, flavor: str, overrides: dict, tied: bool) -> str:
+    """The seed checkpoint, tokenizer and model.toml of ``from-hf`` into the new folder ``out``."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint import merge_shares
+    from trainer.config.render import toml_value
+
     seed = out / "checkpoint"
     aliases = loaded.spec.tied_aliases(loaded.args)
     state = {k: v.to(torch.float32) for k, v in loaded.model.state_dict().items() if k not in aliases}

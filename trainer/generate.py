@@ -125,6 +125,9 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--logits")
     try:
         known, rest = parser.parse_known_args(argv)
+        if flags := [a for a in rest if a.split("=")[0].startswith(("--compile.", "--dry-run", "--print-config"))]:
+            raise UserError(f"{flags[0]}: generate runs the model eagerly in this process and takes no such flag;"
+                            " drop it")
         text = _prompt(known)
         _check(known)
         import torch
@@ -138,9 +141,20 @@ def run(argv: list[str]) -> int:
         longest = len(text.encode("utf-8")) + 2 + known.max_new_tokens
         loaded = load_model(Path(known.model), rest, seq_len=longest, device=device, dtype=torch_dtype(known.dtype))
         tok = loaded.tokenizer
+        vocab = loaded.spec.vocab_size(loaded.args)
+        if tok.vocab_size > vocab:
+            raise UserError(f"generate MODEL: its tokenizer has {tok.vocab_size:,} tokens and the model's vocabulary"
+                            f" {vocab:,}: the ids past {vocab - 1:,} have no embedding")
         prompt = tok.encode(text, bos=tok.bos_id is not None)
         if not prompt:
             raise UserError("--prompt: the prompt encodes to no tokens (and the tokenizer has no begin-of-text token)")
+        new = 0 if known.logits else known.max_new_tokens  # --logits generates nothing
+        if loaded.context is not None and len(prompt) + new > loaded.context[0]:
+            what = "--prompt-file" if known.prompt_file else "--prompt"
+            raise UserError(f"{what}{'' if known.logits else ' and --max-new-tokens'}: the prompt's {len(prompt):,}"
+                            f" tokens and {new:,} new ones make {len(prompt) + new:,} positions, past the model's"
+                            f" context of {loaded.context[0]:,} ({loaded.context[1]}); shorten the prompt"
+                            + ("" if known.logits else " or ask for fewer tokens"))
         loaded_s = time.monotonic() - began
         if known.logits:
             with torch.inference_mode():

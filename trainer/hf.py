@@ -8,6 +8,7 @@ Export writes ``model-0000i-of-0000P.safetensors`` (one file per pipeline rank),
 import dataclasses
 import json
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 from trainer.config.schema import Model
 from trainer.dtensor import full_tensor
 from trainer.errors import UserError
+from trainer.jsonfile import entry, read_json
 from trainer.models import ModelSpec
 from trainer.models.init import copy_full_
 
@@ -37,9 +39,11 @@ def is_hf_folder(path: Path) -> bool:
 
 @torch.no_grad()
 def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *, pp_rank: int, pp: int,
-              writer: bool, tokenizer=None) -> None:
+              writer: bool, tokenizer=None, context: int | None = None) -> None:
     """Write this pipeline rank's weights; ``writer`` is the one rank per pipeline rank that writes. Rank 0
     also writes config.json and, given the run's ``tokenizer``, its files and generation_config.json.
+    ``context``: the model's own context (``model_context``), written as max_position_embeddings where it
+    exceeds the length the weights were trained at (``args``): a model fine-tuned on shorter sequences keeps it.
 
     Every rank must call this: gathering a sharded parameter is a collective over its mesh.
     """
@@ -72,6 +76,8 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                 "weight_map": dict(sorted(names.items()))}, indent=2))
         config = hf.config(args, dtype)
+        if context and context > config.get("max_position_embeddings", context):
+            config["max_position_embeddings"] = context
         if tokenizer is not None:
             tokenizer.save_hf(folder)
             ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
@@ -83,21 +89,22 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
         dist.barrier()
 
 
+def model_context(spec: ModelSpec, section: Model) -> int | None:
+    """The context ``[model]`` describes (its max_seq_len before the run sizes it to [training] seq_len)."""
+    from trainer.models import resolve_model_args
+
+    return getattr(resolve_model_args(spec, section), "max_seq_len", None)
+
+
 _KEY = "[checkpoint] initial_load_path"
 
 
 def read_hf_config(folder: Path, key: str = _KEY) -> dict:
     """A Hugging Face folder's config.json; a missing or unreadable one is one UserError naming it."""
     path = folder / "config.json"
-    try:
-        config = json.loads(path.read_text())
-        if not isinstance(config, dict):
-            raise TypeError("not a table")
-    except FileNotFoundError:
-        raise UserError(f"{key}: {folder} has no config.json (a Hugging Face model folder has one)") from None
-    except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"{key}: {path} is not a model config ({type(e).__name__}: {e})") from None
-    return config
+    if not path.is_file():
+        raise UserError(f"{key}: {folder} has no config.json (a Hugging Face model folder has one)")
+    return read_json(path, key, what="model config")
 
 
 def hf_family(config: dict, folder: Path, key: str = _KEY) -> ModelSpec:
@@ -157,7 +164,7 @@ def adopt_hf_config(folder: Path, spec: ModelSpec, model: Model) -> Model:
 def _same(a, b) -> bool:
     if (isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool)
             and not isinstance(b, bool)):
-        return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+        return a == b or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= 1e-9 * max(abs(a), abs(b)))
     return a == b
 
 
@@ -176,12 +183,11 @@ def _weight_map(folder: Path, key: str = _KEY) -> dict[str, str]:
     """Tensor name -> file, from the index when there is one, else from the files' own headers."""
     index = folder / INDEX
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not a table")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{key}: {index} is not a safetensors index ({type(e).__name__}: {e})") from None
+        weight_map = entry(read_json(index, key, what="safetensors index"), "weight_map", dict, index, key)
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or not file or "/" in file or "\x00" in file:
+                raise UserError(f"{key}: {index} weight_map[{name!r}] = {file!r}: expected the name of a safetensors"
+                                " file of the folder")
         return weight_map
     weight_map = {}
     for file in sorted(folder.glob("*.safetensors")):

@@ -4,24 +4,14 @@ safetensors and tokenizer files only) and read from there; without a network or 
 to do. With ``HF_HUB_OFFLINE=1`` a model already in the cache (a local mirror) is used without asking the Hub."""
 
 import logging
-import re
 from pathlib import Path
 
+from trainer.config.validate import is_hub_id
 from trainer.errors import UserError
 
+__all__ = ["hub_folder", "is_hub_id"]
 logger = logging.getLogger(__name__)
-_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken"]
-
-
-def is_hub_id(text: str) -> bool:
-    """Whether ``text`` names a Hub model (``org/name``) rather than a path that exists here."""
-    try:
-        if Path(text).exists():
-            return False
-    except (OSError, ValueError):
-        return False
-    return bool(_ID.fullmatch(text))
 
 
 def hub_folder(repo_id: str, key: str) -> Path:

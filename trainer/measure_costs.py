@@ -165,6 +165,35 @@ def fit_from_parts(units, measured: dict) -> dict:
     return fit
 
 
+def check_fits(plan, config, device, dtype) -> None:
+    """Refuse, before anything is allocated, a measurement that cannot fit on the device: the whole model's
+    parameters and gradients in ``dtype``, one microbatch's activations (where the family estimates them) and its
+    float32 logits and their gradient."""
+    from trainer.activation_memory import part_activations
+    from trainer.parallel.dims import ParallelDims
+    from trainer.plan import activation_sections, device_memory_bytes
+
+    batch, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
+    tokens = batch * seq
+    one = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+    per_part = part_activations(plan.spec, plan.model_args, one, dtype.itemsize, **activation_sections(config))
+    activations = 0.0 if isinstance(per_part, str) else tokens * (sum(per_part.kept) + per_part.stage
+                                                                    + max(per_part.recompute))
+    need = plan.num_params * 2 * dtype.itemsize + activations + tokens * plan.vocab_size * 8
+    available = device_memory_bytes() if device.type == "cpu" else torch_device_memory(device)
+    if need > available:
+        raise UserError(f"[parallelism] pipeline_parallel_microbatch_size={batch}, [training] seq_len={seq}: timing the"
+                        f" whole model ({plan.num_params:,} parameters) on one microbatch needs ~{need / 2**30:,.1f}"
+                        f" GiB on {device}, more than its {available / 2**30:,.1f} GiB; measure a smaller microbatch"
+                        " or sequence, or measure in a timed pipeline run (--profiling.pipeline_timeline_steps)")
+
+
+def torch_device_memory(device) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 1 << 62
+
+
 def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[Path, list[str]]:
     """Time the job's parts on ``device_name`` and write the cost file; returns its path and the lines to print."""
     import torch
@@ -188,6 +217,7 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, attn_mask_type=plan.attn_mask_type))
     device = torch.device(device_name)
     dtype = compute_dtype(config.training.mixed_precision_param, device.type)
+    check_fits(plan, config, device, dtype)
     model = plan.build_model()
     materialize_(model, device, plan.seed)
     cast_parameters_(model, dtype)  # as FSDP's mixed precision computes: parameters cast, buffers kept
@@ -257,6 +287,10 @@ def run(argv: list[str]) -> int:
             raise UserError(f"--steps {known.steps}: must be in 1 .. {MAX_STEPS}")
         from trainer.config import load_config
 
+        if flags := [a for a in rest if a.split("=")[0] in ("--dry-run", "--print-config", "--world-size",
+                                                            "--compare-schedules")]:
+            raise UserError(f"{flags[0]}: a flag of train.py, not of measure_costs (which always times on this"
+                            " machine); drop it")
         device = command_device(known.device, ("cpu", "cuda"), "use cpu, cuda or cuda:N")
         config = load_config(overrides=rest)
         _, lines = measure(config, device_name=device, steps=known.steps, out=known.out)

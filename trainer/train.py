@@ -183,6 +183,12 @@ def prepare_folders(config: JobConfig) -> None:
             raise UserError(f"{key}: cannot write to {folder}: {e.strerror or e}") from None
 
 
+def _model_context(plan: JobPlan) -> int | None:
+    from trainer.hf import model_context  # only with an export: the start-up stays light otherwise
+
+    return model_context(plan.spec, plan.config.model)
+
+
 def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Trainer:
     """Meshes, data, model chunks, optimizers, metrics and checkpoints for this rank (restored if resuming)."""
     config, dims = plan.config, plan.dims
@@ -226,6 +232,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         batch=GlobalBatch(plan.global_batch_size, config.training.global_batch_size == -1, plan.global_batch_parts),
         tokenizer=tokenizer, attention=config.model.attn_mask_type,
         save_group=build_save_group(config.checkpoint, config.comm.init_timeout_seconds),
+        model_context=_model_context(plan) if config.checkpoint.export_hf else None,
     )
     timeline = None
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:

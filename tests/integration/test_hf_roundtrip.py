@@ -74,6 +74,9 @@ def test_from_hf_train_to_hf_and_generate_like_transformers(tmp_path, family, ca
     assert main(load_config(job)).losses
     step = tmp_path / "run" / "checkpoint" / "step-1"
     assert convert.run(["to-hf", str(step), str(tmp_path / "out")]) == 0
+    # trained at 32 positions, the model keeps the context its config.json gave it
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == (
+        json.loads((tmp_path / "hf" / "config.json").read_text())["max_position_embeddings"]) > 32
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     assert hf_tok(PROMPT).input_ids == ids  # begin-of-text first, as our prompts and documents

@@ -87,11 +87,11 @@ def test_the_rule_sees_a_violation(tmp_path, monkeypatch):
 # top-level module of trainer) may import units of lower layers only (and itself).
 LAYERS = [
     ["trainer.errors"],
-    ["trainer.log", "trainer.dtypes", "trainer.dtensor", "trainer.env", "trainer.watchdog", "trainer.loss",
-     "trainer.agreement"],
+    ["trainer.log", "trainer.jsonfile", "trainer.dtypes", "trainer.dtensor", "trainer.env", "trainer.watchdog",
+     "trainer.loss", "trainer.agreement"],
     ["trainer.config"],
     ["trainer.models"],
-    ["trainer.parallel", "trainer.hf"],
+    ["trainer.parallel", "trainer.hf", "trainer.hub"],
     ["trainer.data", "trainer.activation_memory"],
     ["trainer.plan"],
     ["trainer.dry_run", "trainer.model_parts", "trainer.checkpoint", "trainer.metrics", "trainer.optim",

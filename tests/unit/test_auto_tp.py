@@ -40,6 +40,7 @@ def test_llama_derived_plan_equals_the_hand_plan_without_sequence_parallel():
                                         multiple_of=32, max_seq_len=16))
     derived = derive(model)
     top, block = build_tp_plan(sequence_parallel=False, loss_parallel=True)
+    block = {name: style for name, style in block.items() if name in dict(model.layers["0"].named_modules())}
     assert styles(derived.block) == styles(block) and styles(derived.top) == styles(top)
     assert derived.replicated == {}
     # Same layouts, not only the same classes.
@@ -47,6 +48,22 @@ def test_llama_derived_plan_equals_the_hand_plan_without_sequence_parallel():
         mine = {**derived.top, **derived.block}[name]
         assert (mine.input_layouts, mine.output_layouts, mine.use_local_output) == (
             style.input_layouts, style.output_layouts, style.use_local_output), name
+
+
+def test_a_linear_feeding_a_norm_with_weights_stays_replicated():
+    """Qwen 3's per-head q/k norms: split q/k projections would give the norms' weights a gradient
+    from one shard's heads only, so automatic TP keeps attention whole (the hand plan handles them)."""
+    from trainer.models.decoder.args import DecoderArgs
+    from trainer.models.decoder.model import Transformer as Decoder
+
+    model = meta(Decoder, DecoderArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                                      multiple_of=32, max_seq_len=16, qk_norm="head"))
+    plan = derive(model)
+    assert "attention.q_norm" in plan.replicated["attention.wq"]
+    assert "attention.k_norm" in plan.replicated["attention.wk"]
+    assert {"attention.wq", "attention.wk", "attention.wv", "attention.wo"} <= set(plan.replicated)
+    assert styles(plan.block) == {"feed_forward.w1": "ColwiseParallel", "feed_forward.w3": "ColwiseParallel",
+                                  "feed_forward.w2": "RowwiseParallel"}
 
 
 class Args:

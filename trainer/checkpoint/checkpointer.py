@@ -62,17 +62,18 @@ class Checkpointer:
 
     def __init__(self, checkpoint: schema.Checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
                  pp_rank: int = 0, pp: int = 1, hf_writer: bool = True, batch: "GlobalBatch | None" = None,
-                 tokenizer=None, attention: str = "", save_group=None):
+                 tokenizer=None, attention: str = "", save_group=None, model_context: int | None = None):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
         rank's file of a Hugging Face export (one writer per pipeline rank). ``batch`` is this run's global
         batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer (its identity likewise; its
         files go into the Hugging Face export); ``attention`` the ``[model] attn_mask_type``, saved and compared
         on resume. ``save_group`` is the process group of asynchronous saves (``build_save_group``; None in one
-        process)."""
+        process). ``model_context``: the model's own context, kept in the export's config.json
+        (``trainer.hf.model_context``)."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
-        self.spec, self.args = spec, model_args
+        self.spec, self.args, self.model_context = spec, model_args, model_context
         self.aliases = spec.tied_aliases(model_args)
         self.pp_rank, self.pp, self.hf_writer = pp_rank, pp, hf_writer
         self.batch = batch
@@ -160,7 +161,8 @@ class Checkpointer:
 
         export_hf(self.chunks, self.spec, self.args, self.folder / f"hf-step-{step}",
                   torch_dtype(self.cfg.export_dtype),
-                  pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer, tokenizer=self.tokenizer_files)
+                  pp_rank=self.pp_rank, pp=self.pp, writer=self.hf_writer, tokenizer=self.tokenizer_files,
+                  context=self.model_context)
 
     def export_finished(self, step: int) -> None:
         """A finished run started again with ``export_hf`` and no export of its last step yet: export it now."""

@@ -266,8 +266,6 @@ def _check_files(config: JobConfig) -> None:
         except OSError as e:
             raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
         if not found and key == "[checkpoint] initial_load_path":
-            from trainer.hub import is_hub_id
-
             found = is_hub_id(path)  # a Hugging Face Hub id: the plan fetches it (trainer.hub)
         if not found:
             raise not_found(key, path)
@@ -316,6 +314,19 @@ def mix_entries(training: Training) -> list[MixEntry]:
             raise ConfigError(f"{key}: weight {weight} must be a finite number > 0")
         out.append(MixEntry(name, float(weight), split, own_split))
     return out
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` names a Hugging Face Hub model (``org/name``) rather than a path that exists here."""
+    try:
+        if Path(text).exists():
+            return False
+    except (OSError, ValueError):
+        return False
+    return bool(_HUB_ID.fullmatch(text))
 
 
 def is_prepared_path(path: str) -> bool:

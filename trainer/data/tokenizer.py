@@ -24,6 +24,7 @@ import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
 from trainer.config.schema import Model
+from trainer.jsonfile import read_json
 from trainer.errors import UserError, not_found
 
 logger = logging.getLogger(__name__)
@@ -171,16 +172,19 @@ class HFTokenizer:
         """(bos, eos) token text: tokenizer_config.json's, else the first known name in the vocabulary."""
         config = path.with_name("tokenizer_config.json")
         if config.is_file():
-            try:
-                data = json.loads(config.read_text())
-            except (ValueError, OSError) as e:
-                raise UserError(f"[model] tokenizer_path: cannot read {config}: {e}") from None
+            key = "[model] tokenizer_path"
+            data = read_json(config, key, what="tokenizer config")
 
-            def text(value):
-                return value.get("content") if isinstance(value, dict) else value
+            def text(name):  # a token's text: a string, or {"content": string, ...}
+                value = data.get(name)
+                if isinstance(value, dict):
+                    value = value.get("content")
+                if value is not None and not isinstance(value, str):
+                    raise UserError(f"{key}: {config} {name} = {data.get(name)!r}: expected the token's text")
+                return value
 
-            if data.get("eos_token"):
-                return text(data.get("bos_token")), text(data["eos_token"])
+            if text("eos_token"):
+                return text("bos_token"), text("eos_token")
         vocab = self._tok.get_vocab(with_added_tokens=True)
         bos = next((n for n in _BOS_NAMES if n in vocab), None)
         eos = next((n for n in _EOS_NAMES if n in vocab), None)

@@ -78,7 +78,8 @@ def _block_graph(model: nn.Module, layers_attr: str, seq_len: int):
     def record(name: str):
         def hook(module, args, out) -> None:  # returns None: the forward is only observed
             if name:
-                records[name] = (args[0], out)
+                if args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+                    records[name] = (args[0], out)
             else:
                 captured["out"] = out
 
@@ -86,7 +87,9 @@ def _block_graph(model: nn.Module, layers_attr: str, seq_len: int):
 
     hooks = [block.register_forward_hook(record(""))]
     for name, mod in block.named_modules():
-        if isinstance(mod, nn.Linear):
+        # Linears, and other modules with weights of their own (norms: one inside the parallel region
+        # would see only its shard's features, and its weight's gradient would be partial)
+        if isinstance(mod, nn.Linear) or (name and next(mod.parameters(recurse=False), None) is not None):
             hooks.append(mod.register_forward_hook(record(name)))
     try:
         with torch.enable_grad():
@@ -146,8 +149,11 @@ def derive_tp_plan(model: nn.Module, layout: ModelLayout, *, tp: int, seq_len: i
             )
 
     block, records, block_out = _block_graph(model, layers_attr, seq_len)
+    weighted = {name: records.pop(name) for name in list(records)
+                if not isinstance(block.get_submodule(name), nn.Linear)}
     producer = {out.grad_fn: name for name, (_, out) in records.items() if out.grad_fn is not None}
     deps = {name: _walk(inp.grad_fn, producer) for name, (inp, _) in records.items()}
+    normed = {src: name for name, (inp, _) in weighted.items() for src, _ in _walk(inp.grad_fn, producer)}
     sources = {name: {src for src, _ in d} for name, d in deps.items()}
     to_residual = {n for n, _ in _walk(block_out.grad_fn, producer)}
     # In forward order: a Linear whose inputs are all whole (block input, or outputs of exits and
@@ -176,7 +182,9 @@ def derive_tp_plan(model: nn.Module, layout: ModelLayout, *, tp: int, seq_len: i
             consumers = {c for c in records if name in sources[c]}
             bad = None
             if role[name] == "entry":
-                if name in to_residual:
+                if name in normed:
+                    bad = f"its output goes through {normed[name]}, whose weight would see one shard only"
+                elif name in to_residual:
                     bad = "its output reaches the residual stream directly"
                 elif not consumers:
                     bad = "no linear layer consumes its output"

@@ -197,7 +197,9 @@ def base_args(config: dict, family: str, *, tied: bool = False) -> dict:
     ``tie_word_embeddings``."""
     dim, heads = require(config, "hidden_size"), require(config, "num_attention_heads")
     head_dim = config.get("head_dim") or dim // heads
-    return {"dim": dim, "n_layers": require(config, "num_hidden_layers"), "n_heads": heads,
+    context = config.get("max_position_embeddings")
+    context = {"max_seq_len": context} if isinstance(context, int) and not isinstance(context, bool) else {}
+    return {**context, "dim": dim, "n_layers": require(config, "num_hidden_layers"), "n_heads": heads,
             "n_kv_heads": config.get("num_key_value_heads") or heads,
             "head_dim_override": head_dim,  # explicit even where it is dim // heads (never None in a config file)
             "vocab_size": require(config, "vocab_size"), "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
