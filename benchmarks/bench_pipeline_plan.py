@@ -35,12 +35,7 @@ split those costs choose. A third table: a block's measured time on ranks that w
 ranks that hardly waited; a fourth: on ranks that hardly waited, as the other rank waited little or
 much (whether a rank's pace depends on the other's load; bench_core_sharing.py times the parts
 alone and beside a second process, without a pipeline); a fifth: the calibrated bubble's signed
-error by how much a rank was predicted to wait, calibrated from one timed run and from two (the bias
-under the noise, and what the pace leaves of it; bench_pipeline_paces.py replays a kept launch's splits
-with pace models that would price it); a sixth: calibrated from two timed
-runs, the planner's split and a pace run (of the other measured splits, the one the one-run calibration
-predicts to wait most unequally, fitted from its own steps), with ``pipeline_parallel_pace_files``: the
-pace fitted and the bubble's error over every other split, beside the one run's. With --json, each split's
+error by how much a rank was predicted to wait (the bias under the noise). With --json, each split's
 row also holds its measured steps, each rank's busy time per step, measured and as the calibrated
 costs predict it, and its time per block.
 
@@ -52,7 +47,6 @@ lowest on a noisy day (docs/performance.md keeps those tables).
 import argparse
 import itertools
 import json
-import math
 import os
 import random
 import statistics
@@ -186,7 +180,6 @@ class KeptLaunchDiffers(Exception):
 def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) -> dict:
     import torch
 
-    from trainer.errors import ConfigError
     from trainer.train import build_calibration
 
     def job(steps: int) -> list[str]:  # the group's overrides; --training.steps sets the learning-rate schedule
@@ -276,15 +269,14 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     # them: what the previous version timed).
     last = p.num_stages - 1
 
-    def refit(name: str, keep, i: int = 0) -> Simulator:
-        """Split ``i``'s recorded actions fitted as its timed run's calibration does (lead and tail parts where
-        ``keep(stage, part)``), written to the folder ``name``; a Simulator with those costs."""
+    def refit(name: str, keep) -> Simulator:
+        """The planner's split's recorded actions fitted as its timed run's calibration does (lead and tail parts
+        where ``keep(stage, part)``), written to the folder ``name``; a Simulator with those costs."""
         folder = tmp / f"{model}_{schedule}_{name}"
-        own = plan if i == 0 else load(base + ["--parallelism.pipeline_parallel_split_points", points(runs[i])])
-        calibration = build_calibration(own, torch.device("cpu"), folder, program)
+        calibration = build_calibration(plan, torch.device("cpu"), folder, program)
         actions, parts, spans = [], [], []
-        for step in timed[i]:
-            trace = json.loads((dumps[i] / "profile_traces" / f"pipeline_timeline_step{step}.json").read_text())
+        for step in timed[0]:
+            trace = json.loads((dumps[0] / "profile_traces" / f"pipeline_timeline_step{step}.json").read_text())
             events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
             actions += [(e["args"]["action"], e["args"]["stage"], e["dur"] / 1e6) for e in events]
             parts += [(a["action"], a["stage"], part, a[f"{part}_ms"] / 1e3) for a in (e["args"] for e in events)
@@ -292,10 +284,9 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             parts += [(a["action"], a["stage"], "blocks", sum(a["blocks_ms"]) / 1e3)
                       for a in (e["args"] for e in events) if a.get("blocks_ms")]
             spans.append(trace["otherData"]["span_us"] / 1e6)
-        # one call with every step's actions: the fit takes per-action means, the transfer the median span, the
-        # pace each rank's median bubble
-        bubbles = dict(enumerate(measured_bubbles([dumps[i]], timed[i])))
-        calibration.add(timed[i][-1], actions, bubbles, statistics.median(spans), parts)
+        # one call with every step's actions: the fit takes per-action means, the transfer the median span
+        bubbles = dict(enumerate(measured_bubbles([dumps[0]], timed[0])))
+        calibration.add(timed[0][-1], actions, bubbles, statistics.median(spans), parts)
         return Simulator(load(base + ["--parallelism.pipeline_parallel_cost_file",
                                       str(folder / "pipeline_costs.json")]).pipeline_costs, program)
 
@@ -318,25 +309,6 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     ssim = Simulator(load(at_rate).pipeline_costs, program)
     msim = Simulator(load(at_rate + ["--parallelism.pipeline_parallel_device_memory_gbytes_per_second",
                                      repr(bandwidth / 1e9)]).pipeline_costs, program) if bandwidth else None
-    # A second timed run for the pace: the measured split whose ranks the calibrated costs predict to wait most
-    # unequally (what the docs advise a user to time), its costs fitted as its own calibration would write them;
-    # the planner's costs then priced with the pace both runs fit (that split then left out of the figures).
-    def unequal(counts: tuple[int, ...]) -> float:
-        a, b = predicted_bubbles(csim, counts)
-        return abs(a - b)
-
-    lopsided = max(range(1, len(runs)), key=lambda i: unequal(runs[i]), default=None)
-    psim = None
-    if lopsided is not None:
-        refit("pace_run", lambda stage, part: True, lopsided)
-        try:
-            psim = Simulator(load(base + [
-                "--parallelism.pipeline_parallel_cost_file", str(tmp / f"{model}_{schedule}_all_boundaries"
-                                                                 / "pipeline_costs.json"),
-                "--parallelism.pipeline_parallel_pace_files", str(tmp / f"{model}_{schedule}_pace_run"
-                                                                  / "pipeline_costs.json")]).pipeline_costs, program)
-        except ConfigError as e:  # e.g. ranks that all waited alike: the table says why
-            print(f"{model} {schedule}: no pace fitted: {e}", file=sys.stderr)
     rows = []
     for i, counts in enumerate(runs):
         rows.append({"counts": counts, "step": statistics.median(steps_of[i]), "steps": len(steps_of[i]),
@@ -349,7 +321,6 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
                      "after_whole_stages": predicted_bubbles(wsim, counts),
                      "after_ends_only": predicted_bubbles(esim, counts),
                      "one_device": predicted_bubbles(osim, counts), "one_device_s": osim.predict(counts).makespan,
-                     "after_two_runs": predicted_bubbles(psim, counts) if psim and i != lopsided else None,
                      # each rank's mean seconds per block and microbatch, forward and backward (B or I)
                      "block_s": per_block(dumps[i], timed[i]),
                      "predicted_s": csim.predict(counts).makespan,
@@ -385,11 +356,8 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
     ratio_err = [abs(r["predicted_s"] / rows[0]["predicted_s"] - r["paired"]) * 100 for r in rows[1:]]
     planner, flops = rows[0], next(r for r in rows if r["counts"] == old.pipeline.counts)
     err = {k: [abs(r[k][i] - r["measured"][i]) * 100 for r in rows if r[k] is not None for i in range(2)]
-           for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device", "after_two_runs",
-                     "before_seconds", "before_memory")}
-    # the one-run calibration over the rows the two-run one is judged on (all but the pace run's split)
-    err["after_same_rows"] = [abs(r["after"][i] - r["measured"][i]) * 100 for r in rows
-                              if r["after_two_runs"] is not None for i in range(2)]
+           for k in ("before", "after", "after_whole_stages", "after_ends_only", "one_device", "before_seconds",
+                     "before_memory")}
     # the measurement against itself: each split's odd rounds' median bubble against its even rounds'
     apart = [100 * d for r in rows if r["halves_apart"] for d in r["halves_apart"]]
     # predictions equal but for their last bits (splits with the same blocks on each rank; two reports from the
@@ -418,13 +386,11 @@ def run_group(model: str, schedule: str, args: argparse.Namespace, tmp: Path) ->
             "bubble_err_one_device": (statistics.mean(err["one_device"]), max(err["one_device"])),
             "memory_rates": (tflops, bandwidth / 1e9),
             **{f"bubble_err_{k}": ((statistics.mean(err[k]), max(err[k])) if err[k] else (float("nan"),) * 2)
-               for k in ("after_two_runs", "after_same_rows", "before_seconds", "before_memory")},
-            "pace_run": points(runs[lopsided]) if lopsided is not None else None,
-            "pace": psim.costs.pace if psim else None,
+               for k in ("before_seconds", "before_memory")},
             "one_device_pick": points(one_device_pick["counts"]), "one_device_pick_paired": one_device_pick["paired"],
             "slower_when_waiting": slower_when_waiting(rows),
             "faster_beside_waiting": faster_beside_a_waiting_rank(rows),
-            "bias_by_wait": bias_by_wait(rows), "bias_by_wait_two_runs": bias_by_wait(rows, "after_two_runs"),
+            "bias_by_wait": bias_by_wait(rows),
             "self_paired": (min(self_paired), max(self_paired)) if self_paired else (1.0, 1.0),
             "self_paired_medians": (min(self_medians), max(self_medians)) if self_medians else (1.0, 1.0),
             "planner_spread": (min(own) / statistics.median(own), max(own) / statistics.median(own), len(own)),
@@ -453,8 +419,8 @@ WAIT_BANDS = ((0.0, 0.15), (0.15, 0.30), (0.30, 1.0))
 
 def errors_by_wait(rows: list[dict], key: str = "after") -> list[list[float]]:
     """A prediction's signed bubble errors (measured minus predicted, points) of every split and rank of a group, in
-    the WAIT_BANDS of the predicted bubble. ``key``: "before" (the FLOP model), "one_device", "after" (one timed
-    run) or "after_two_runs" (with the pace; the pace run's split has none)."""
+    the WAIT_BANDS of the predicted bubble. ``key``: "before" (the FLOP model), "one_device" or "after" (the timed
+    run)."""
     return [[100 * (r["measured"][i] - r[key][i]) for r in rows if r[key] is not None for i in range(2)
              if low <= r[key][i] < high] for low, high in WAIT_BANDS]
 
@@ -467,13 +433,12 @@ def bias_by_wait(rows: list[dict], key: str = "after") -> list[tuple[float, int]
 
 
 POOLED = {"before": "before calibration (the FLOP model)", "one_device": "parts timed on one device",
-          "after": "calibrated, one run", "after_two_runs": "calibrated, two runs (the pace)"}
+          "after": "calibrated from the timed run"}
 
 
 def pool(reports: list[Path]) -> None:
-    """Tables over the groups of earlier --json reports, per model: the signed error by predicted wait, pooled
-    over every rank-split (and in how many groups the band's mean was negative), and the two-run calibration's
-    worst error against each group's own reproducibility (a split's odd against its even rounds)."""
+    """A table over the groups of earlier --json reports, per model: the signed error by predicted wait, pooled
+    over every rank-split (and in how many groups the band's mean was negative)."""
     groups = [g for path in reports for g in json.loads(path.read_text())]
     print(f"Pooled over {len(groups)} groups of {len(reports)} reports. Signed bubble error (measured minus predicted,"
           " points) by how much a rank is predicted to wait, each prediction banded by itself: mean (rank-splits),"
@@ -490,19 +455,6 @@ def pool(reports: list[Path]) -> None:
                 cells.append(f"{statistics.mean(errors):+.2f} ({len(errors)}), {sum(m < 0 for m in means)} of"
                              f" {len(means)}" if errors else "none")
             print(f"| {model} | {name} | " + " | ".join(cells) + " |")
-    paced = [g for g in groups if not math.isnan(g["bubble_err_after_two_runs"][1])]  # a pace was fitted
-    over = [g for g in paced if g["bubble_err_after_two_runs"][1] > 5]
-    halves = [g for g in over if not math.isnan(g["bubble_halves_apart"][1])]
-    beyond = [g for g in halves if g["bubble_err_after_two_runs"][1] > g["bubble_halves_apart"][1]]
-    print(f"\nCalibrated from two runs, the worst error within 5 points in {len(paced) - len(over)} of {len(paced)}"
-          " groups"
-          + (f" ({len(groups) - len(paced)} without a pace fitted left out)" if len(paced) < len(groups) else "")
-          + f"; of the {len(over)} over 5, {len(halves) - len(beyond)} no further off than a split's odd and even"
-          f" rounds were from each other (worst over the group's splits), {len(beyond)} further"
-          + (": " + "; ".join(f"{g['model']} {g['schedule']} {g['bubble_err_after_two_runs'][1]:.1f} against"
-                               f" {g['bubble_halves_apart'][1]:.1f}" for g in beyond) if beyond else "")
-          + (f"; {len(over) - len(halves)} without odd and even rounds to compare" if len(halves) < len(over) else "")
-          + ".")
 
 
 def block_paces(rows: list[dict], first, second) -> dict[str, tuple[float, float, int, int]]:
@@ -654,16 +606,6 @@ def main() -> None:
                   + "".join(f" | {r[k][0]:.1f} / {r[k][1]:.1f}"
                             for k in ("bubble_err_before", "bubble_err_before_seconds", "bubble_err_before_memory"))
                   + " |")
-    print("\nCalibrated from two timed runs: the planner's split and a pace run, the measured split whose ranks the"
-          " one-run calibration predicts to wait most unequally (--parallelism.pipeline_parallel_pace_files): the"
-          " pace k fitted (a rank's actions cost 1 + k x its bubble) and the bubble's error (points, mean / worst)"
-          " over every measured split but the pace run's, beside the one run's over the same splits:\n")
-    print("| model | schedule | pace run | k | after, one run | after, two runs |\n|---|---|---|---:|---|---|")
-    for r in results:
-        if r["pace"] is not None:
-            print(f"| {r['model']} | {r['schedule']} | {r['pace_run']} | {r['pace']:+.3f}"
-                  f" | {r['bubble_err_after_same_rows'][0]:.1f} / {r['bubble_err_after_same_rows'][1]:.1f}"
-                  f" | {r['bubble_err_after_two_runs'][0]:.1f} / {r['bubble_err_after_two_runs'][1]:.1f} |")
     print("\nA block's time on the ranks that waited (measured bubble 40% or more) against those that hardly did"
           " (under 15%), over every split and rank (ms per block and microbatch, medians; how many rank-splits):\n")
     print("| model | schedule | forward: busy / waiting (ratio) | backward: busy / waiting (ratio) |")
@@ -678,15 +620,12 @@ def main() -> None:
     for r in results:
         print(f"| {r['model']} | {r['schedule']} | " + " | ".join(pace_cells(r["faster_beside_waiting"])) + " |")
     print("\nThe calibrated bubble's signed error (measured minus predicted, points: mean over the rank-splits, how"
-          " many) by how much the calibrated costs predict a rank to wait, calibrated from one timed run and from"
-          " two (with the pace; the pace run's split left out):\n")
+          " many) by how much the calibrated costs predict a rank to wait:\n")
     print("| model | schedule | " + " | ".join(f"predicted {100 * lo:.0f}-{100 * hi:.0f}%" for lo, hi in WAIT_BANDS)
-          + " | " + " | ".join(f"two runs: {100 * lo:.0f}-{100 * hi:.0f}%" for lo, hi in WAIT_BANDS)
-          + " |\n|---|---|" + "---:|" * 2 * len(WAIT_BANDS))
+          + " |\n|---|---|" + "---:|" * len(WAIT_BANDS))
     for r in results:
         print(f"| {r['model']} | {r['schedule']} | "
-              + " | ".join(f"{mean:+.1f} ({n})" if n else "none"
-                           for mean, n in r["bias_by_wait"] + r["bias_by_wait_two_runs"]) + " |")
+              + " | ".join(f"{mean:+.1f} ({n})" if n else "none" for mean, n in r["bias_by_wait"]) + " |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=list))
 

@@ -8,11 +8,6 @@ descents had their own), with the defaults (``pipeline_planner.DESCENT_REPLAYS``
 seeds, ``REPLAY_BUDGET`` for the branch and bound), and with both defaults five times larger. Where a search
 ends exact the split found is the best there is. The search is deterministic: its split does not depend on the
 machine, its seconds do. No process group and no GPU: this is the planning a dry run and every rank's start-up do.
-
-The lower bound the search states, two ways: from the ranks' loads alone (``SplitSearch.rank_bound``: the branch
-and bound's unexplored partial splits and the average rank's least work), and with the split's continuous
-relaxation (``SplitSearch.lower_bound``, what the dry run states; it runs when first read, so the search seconds
-leave it out and it is timed on its own). Each as how much slower than it the split found can be.
 """
 
 import argparse
@@ -70,11 +65,6 @@ def search(sim: pipeline_planner.Simulator, scale: int | None) -> tuple[pipeline
         pipeline_planner.REPLAY_BUDGET, pipeline_planner.DESCENT_REPLAYS = defaults
 
 
-def gap(found: pipeline_planner.SplitSearch, bound: float) -> str:
-    """How much slower than ``bound`` the split found can be (exact: the search proved it the best)."""
-    return "exact" if found.exact else f"{bound:,.1f} ({100 * (found.best[0].makespan / bound - 1):.1f}%)"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=at_least(0), nargs="*", help="rows of CASES to run, from 0 (default: all)")
@@ -84,9 +74,8 @@ def main() -> None:
     scales = [None, 1, 5]
     names = ["200k in all (before)", "defaults", "defaults x 5"]
     print("| model | pp | schedule | microbatches | splits | "
-          + " | ".join(f"{n}: step, search s" for n in names) + " | defaults against before "
-          "| bound from rank loads | bound stated (with the relaxation), relaxation s |")
-    print("|---|---:|---|---:|---:|" + "---|" * len(scales) + "---:|---:|---:|")
+          + " | ".join(f"{n}: step, search s" for n in names) + " | defaults against before |")
+    print("|---|---:|---|---:|---:|" + "---|" * len(scales) + "---:|")
     for i, (config, pp, schedule, batch) in enumerate(CASES):
         if args.cases and i not in args.cases:
             continue
@@ -96,15 +85,9 @@ def main() -> None:
             found, seconds = search(sim, scale)
             steps.append(found.best[0].makespan)
             cells.append(f"{found.best[0].makespan:,.1f}{' (exact)' if found.exact else ''}, {seconds:.1f} s")
-            if scale == 1:
-                defaults = found
-        start = time.perf_counter()
-        stated = defaults.lower_bound  # the relaxation runs here
-        seconds = time.perf_counter() - start
         splits = math.comb(sim.costs.num_blocks - 1, sim.program.num_stages - 1)
         print(f"| {config[7:]} | {pp} | {schedule} | {batch} | {splits:,} | " + " | ".join(cells)
-              + f" | {100 * (steps[1] / steps[0] - 1):+.1f}% | {gap(defaults, defaults.rank_bound)} "
-              f"| {gap(defaults, stated)}, {seconds:.1f} s |", flush=True)
+              + f" | {100 * (steps[1] / steps[0] - 1):+.1f}% |", flush=True)
 
 
 if __name__ == "__main__":

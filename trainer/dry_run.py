@@ -13,7 +13,7 @@ from trainer.config.schedules import SCHEDULES
 from trainer.config.validate import is_prepared_path, mix_entries, validate_config
 from trainer.errors import UserError
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
-from trainer.parallel.pipeline_planner import Simulator, most_unequal_split, search_splits
+from trainer.parallel.pipeline_planner import Simulator, search_splits
 from trainer.parallel.schedule_sim import program_for, timeline
 from trainer.plan import JobPlan, build_job_plan
 
@@ -301,9 +301,7 @@ def predicted_step(plan: JobPlan) -> list[str]:
     every = search.exact and search.evaluated >= search.total
     how = (f"exact: all {search.total:,} contiguous splits simulated" if every else
            f"exact: {seen} simulated, the rest ruled out by branch and bound" if search.exact else
-           f"{seen} simulated; no split is faster than"
-           f" {_amount(search.lower_bound, unit)}, so the one found is at most"
-           f" {100 * (search.best[0].makespan / search.lower_bound - 1):.1f}% slower than the best")
+           f"{seen} simulated before the search's budget ran out, not proven the best")
     layers = plan.spec.layers_attr
     if pipeline.search is not None:
         lines.append(f"Split chosen by the planner (split_mode makespan; {how})"
@@ -322,12 +320,6 @@ def predicted_step(plan: JobPlan) -> list[str]:
         lines.append(f"Measured run's split {_points(run.counts, layers)}:"
                      f" {_amount(run.makespan, unit)} predicted with its"
                      f" own measurements; this plan's split {100 * (1 - chosen.makespan / run.makespan):.1f}% shorter")
-        if not costs.pace:
-            lopsided, compared = most_unequal_split(sim, skip=costs.measured_counts)
-            lines.append(f"Pace run: a timed run of {_points(lopsided.counts, layers)} (predicted bubble "
-                         + " / ".join(f"{100 * lopsided.bubble(r):.1f}%" for r in range(pipeline.pp))
-                         + f", the most unequal of {compared} other splits) would fit how a rank's pace follows its"
-                         " wait: name its pipeline_costs.json in [parallelism] pipeline_parallel_pace_files")
     others = [c for c in search.best if c.counts != pipeline.counts][:3]
     if others:
         lines.append("Next best: " + "; ".join(f"{_points(c.counts, layers)} {_amount(c.makespan, unit)}"

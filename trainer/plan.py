@@ -11,8 +11,7 @@ recomputes what it holds.
 import dataclasses
 import logging
 import os
-import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import torch
 from torch import nn
 
 from trainer.config import JobConfig
-from trainer.config.schedules import traits_of
 from trainer.config.validate import check_batch
 from trainer.dtypes import torch_dtype
 from trainer.env import device_type
@@ -32,11 +30,9 @@ from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan, module_costs, schedule_traits
-from trainer.parallel.pipeline_calibration import fit_transfer
-from trainer.parallel.pipeline_cost import (COST_FILE_KEY, MIN_PACE_SPREAD, PACE_FILES_KEY, PACE_RANGE, PartCosts,
-                                            calibrated_costs, fit_pace, flop_costs, memory_bytes, pace_spread,
-                                            part_flops, read_cost_file)
-from trainer.parallel.schedule_sim import bubble_fraction, program_for, schedule_ops
+from trainer.parallel.pipeline_cost import (PartCosts, calibrated_costs, flop_costs, memory_bytes, part_flops,
+                                            read_cost_file)
+from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
 from trainer.parallel.technique import ChunkSetup, PlanFacts
 
 logger = logging.getLogger(__name__)
@@ -482,58 +478,8 @@ def pipeline_costs(config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Modu
     counts = where.get("counts")
     how = (f"{where['method']} ({where.get('device')}); transfers priced by the link settings" if "method" in where
            else f"{where.get('schedule')} on {where.get('device')}, split {where.get('split_points')}")
-    costs = calibrated_costs(units, measured["fit"], send=send, measured_counts=tuple(counts) if counts else None,
-                             source=f"measured ({p.pipeline_parallel_cost_file}: {how})")
-    if p.pipeline_parallel_pace_files:
-        costs = paced_costs(costs, where, [read_cost_file(f, identity, PACE_FILES_KEY)["measured"]
-                                           for f in p.pipeline_parallel_pace_files])
-    return costs
-
-
-def paced_costs(costs: PartCosts, where: dict, others: list[dict]) -> PartCosts:
-    """``costs`` (fitted to the run ``where`` describes) with the pace ``fit_pace`` finds over that run and
-    ``others`` (timed runs on other splits): each action's price as at no wait (the run's costs over its ranks'
-    mean pace), and the transfer fitted again so that the run's paced step lasts its measured span."""
-    runs = [where, *others]
-    for i, run in enumerate(runs):
-        key = COST_FILE_KEY if i == 0 else PACE_FILES_KEY
-        if "rank_bubble" not in run or "rank_block_s" not in run:
-            if "method" in run:
-                raise ConfigError(f"{key}: costs measured on one device ({run['method']}) have no pipeline ranks to"
-                                  " fit a pace with: name the pipeline_costs.json of a timed pipeline run")
-            raise ConfigError(f"{key}: the run measured on split {run.get('split_points')} recorded no per-rank"
-                              " bubble and block times (a file written before they were recorded); time it again")
-    splits = "; ".join(str(r.get("split_points")) for r in runs)
-    try:
-        spread = pace_spread(runs)
-        k = fit_pace(runs) if spread >= MIN_PACE_SPREAD else None
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise ConfigError(f"{PACE_FILES_KEY}: the per-rank records (rank_bubble, rank_block_s) of the timed runs on"
-                          f" splits {splits} cannot be read ({type(e).__name__}: {e}); time them again") from None
-    if spread < MIN_PACE_SPREAD:
-        raise ConfigError(f"{PACE_FILES_KEY}: within each timed run the ranks waited alike (at most"
-                          f" {100 * spread:.1f} points apart), too alike to fit how a rank's pace follows its wait"
-                          f" (at least {100 * MIN_PACE_SPREAD:.0f} points apart in one run); time a split whose ranks"
-                          " wait unequally")
-    if k is None:
-        raise ConfigError(f"{PACE_FILES_KEY}: no timed run recorded block times on two pipeline ranks; time the runs"
-                          " again with blocks on every rank")
-    if not PACE_RANGE[0] + 1e-3 < k < PACE_RANGE[1] - 1e-3:
-        raise ConfigError(f"{PACE_FILES_KEY}: the timed runs' block times fit a pace of 1 + {k:.2f} x a rank's"
-                          f" bubble, the end of the range searched ({PACE_RANGE[0]} to {PACE_RANGE[1]}): too noisy"
-                          " to plan with; time more steps")
-    scale = 1 / (1 + k * statistics.fmean(where["rank_bubble"]))
-    paced = replace(costs, parts={kind: tuple(v * scale for v in values) for kind, values in costs.parts.items()},
-                    overhead={kind: v * scale for kind, v in costs.overhead.items()}, pace=k,
-                    source=costs.source[:-1] + f"; a rank's actions cost 1 + {k:.3f} x its bubble, fitted over the"
-                    f" ranks of {len(runs)} timed runs, splits {splits})")
-    schedule, counts = where.get("schedule"), where.get("counts")
-    if "span_s" in where and where.get("n_microbatches") and counts and not traits_of(schedule).from_file:
-        program = program_for(schedule, where["pp"], where["n_microbatches"], len(counts) // where["pp"])
-        return replace(paced, send=fit_transfer(paced, program, tuple(counts), where["span_s"]))
-    # a CSV schedule's actions are not kept with the file: its transfer stays as the run fitted it without a pace
-    return replace(paced, source=paced.source[:-1] + "; the transfer as fitted without the pace: the run's schedule"
-                   " came from a CSV file)")
+    return calibrated_costs(units, measured["fit"], send=send, measured_counts=tuple(counts) if counts else None,
+                            source=f"measured ({p.pipeline_parallel_cost_file}: {how})")
 
 
 def loss_gradient_bytes(config: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims, sequences: int) -> float:

@@ -92,60 +92,52 @@ def test_a_benchmark_scripts_counts_are_range_checked(script, monkeypatch, capsy
 
 
 def test_the_planner_benchmark_bands_each_calibrations_error_by_its_own_prediction(monkeypatch):
-    """The signed-error table: each rank-split counted in the band of the prediction it is judged against (one run or
-    two), measured minus predicted in points; a split without a two-run prediction (the pace run's) left out."""
+    """The signed-error table: each rank-split counted in the band of the prediction it is judged against, measured
+    minus predicted in points."""
     bench = load_script(REPO / "benchmarks" / "bench_pipeline_plan.py", monkeypatch)
     assert bench.WAIT_BANDS == ((0.0, 0.15), (0.15, 0.30), (0.30, 1.0))
-    rows = [{"measured": [0.25, 0.40], "after": [0.10, 0.35], "after_two_runs": [0.20, 0.36]},
-            {"measured": [0.05, 0.50], "after": [0.00, 0.50], "after_two_runs": None}]
-    one = bench.bias_by_wait(rows)  # +15 and +5 under 15%; +5 and 0 over 30%
-    assert [n for _, n in one] == [2, 0, 2] and one[0][0] == pytest.approx(10) and one[2][0] == pytest.approx(2.5)
-    assert one[1][0] != one[1][0]  # no rank-split: NaN, printed "none"
-    two = bench.bias_by_wait(rows, "after_two_runs")  # +5 in 15-30%, +4 over 30%
-    assert [n for _, n in two] == [0, 1, 1] and two[1][0] == pytest.approx(5) and two[2][0] == pytest.approx(4)
+    rows = [{"measured": [0.25, 0.40], "after": [0.10, 0.35], "before": [0.20, 0.36]},
+            {"measured": [0.05, 0.50], "after": [0.00, 0.50], "before": [0.20, 0.20]}]
+    after = bench.bias_by_wait(rows)  # +15 and +5 under 15%; +5 and 0 over 30%
+    assert [n for _, n in after] == [2, 0, 2] and after[0][0] == pytest.approx(10)
+    assert after[2][0] == pytest.approx(2.5)
+    assert after[1][0] != after[1][0]  # no rank-split: NaN, printed "none"
+    before = bench.bias_by_wait(rows, "before")  # +5, -15 and +30 in 15-30%, +4 over 30%
+    assert [n for _, n in before] == [0, 3, 1] and before[1][0] == pytest.approx(20 / 3)
+    assert before[2][0] == pytest.approx(4)
 
 
 def test_the_planner_benchmark_pools_earlier_reports(tmp_path, monkeypatch, capsys):
     """--pool: the signed errors of every rank-split of every group, per model and prediction, each banded by its
-    own prediction; and the two-run worst errors against each group's odd/even spread (a group without a pace fitted
-    left out and said so)."""
+    own prediction."""
     import json
 
     bench = load_script(REPO / "benchmarks" / "bench_pipeline_plan.py", monkeypatch)
 
-    def group(schedule, measured, after, two_runs, worst, apart):
-        rows = [{"measured": m, "before": [0.2, 0.2], "one_device": [0.5, 0.5], "after": a, "after_two_runs": t}
-                for m, a, t in zip(measured, after, two_runs)]
-        return {"model": "tiny", "schedule": schedule, "rows": rows, "bubble_err_after_two_runs": (1.0, worst),
-                "bubble_halves_apart": (1.0, apart)}
+    def group(schedule, measured, after):
+        rows = [{"measured": m, "before": [0.2, 0.2], "one_device": [0.5, 0.5], "after": a}
+                for m, a in zip(measured, after)]
+        return {"model": "tiny", "schedule": schedule, "rows": rows}
 
-    nan = float("nan")
-    (tmp_path / "a.json").write_text(json.dumps([group("A", [[0.15, 0.30]], [[0.05, 0.40]], [[0.05, 0.40]], 4.0, 9.0)]))
+    (tmp_path / "a.json").write_text(json.dumps([group("A", [[0.15, 0.30]], [[0.05, 0.40]])]))
     (tmp_path / "b.json").write_text(json.dumps([
-        group("B", [[0.12, 0.44], [0.05, 0.50]], [[0.10, 0.40], [0.10, 0.55]], [[0.10, 0.40], None], 7.0, 6.0),
-        group("C", [[0.20, 0.20]], [[0.20, 0.20]], [[0.20, 0.20]], 6.0, 8.0),
-        group("D", [[0.20, 0.20]], [[0.20, 0.20]], [None], nan, 8.0),  # no pace fitted
-        group("E", [], [], [], 7.0, nan)]))  # no split measured twice: no odd and even rounds
+        group("B", [[0.12, 0.44], [0.05, 0.50]], [[0.10, 0.40], [0.10, 0.55]]),
+        group("C", [[0.20, 0.20]], [[0.20, 0.20]]), group("D", [[0.20, 0.20]], [[0.20, 0.20]]),
+        group("E", [], [])]))  # no split measured
     bench.pool([tmp_path / "a.json", tmp_path / "b.json"])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| tiny |")]
     # measured minus predicted, points, per band (under 15%, 15-30%, over 30%):
     # before (0.2 everywhere: 15-30%): A -5 +10, B -8 +24 -15 +30, C 0 0, D 0 0: mean 3.6 over 10, no group negative
     # one device (0.5: over 30%): A -35 -20, B -38 -6 -45 0, C -30 -30, D -30 -30: mean -26.4, every group negative
-    # one run: A +10 | -10; B +2 -5 | +4 -5 (B's means -1.5 and -0.5); C and D 0 0 in 15-30%
-    # two runs (B's second split and D have none): A +10 | -10; B +2 | +4; C 0 0 in 15-30%
+    # calibrated: A +10 | -10; B +2 -5 | +4 -5 (B's means -1.5 and -0.5); C and D 0 0 in 15-30%
     assert rows == ["| tiny | before calibration (the FLOP model) | none | +3.60 (10), 0 of 4 | none |",
                     "| tiny | parts timed on one device | none | none | -26.40 (10), 4 of 4 |",
-                    "| tiny | calibrated, one run | +2.33 (3), 1 of 2 | +0.00 (4), 0 of 2 | -3.67 (3), 2 of 2 |",
-                    "| tiny | calibrated, two runs (the pace) | +6.00 (2), 0 of 2 | +0.00 (2), 0 of 1"
-                    " | -3.00 (2), 1 of 2 |"]
-    # worst after two runs: A 4 (met); B 7 against its halves' 6 (further); C 6 against 8 (within); D none; E 7 with
-    # nothing to compare
-    assert ("within 5 points in 1 of 4 groups (1 without a pace fitted left out); of the 3 over 5, 1 no further off"
-            " than a split's odd and even rounds were from each other (worst over the group's splits), 1 further:"
-            " tiny B 7.0 against 6.0; 1 without odd and even rounds to compare.") in out, out
-    # a report of an older version (no two-run figures): one line naming the option, exit 2
-    (tmp_path / "old.json").write_text(json.dumps([{"model": "tiny", "schedule": "A", "rows": []}]))
+                    "| tiny | calibrated from the timed run | +2.33 (3), 1 of 2 | +0.00 (4), 0 of 2"
+                    " | -3.67 (3), 2 of 2 |"]
+    # a report of an older version (no one-device figures): one line naming the option, exit 2
+    (tmp_path / "old.json").write_text(json.dumps([{"model": "tiny", "schedule": "A", "rows": [
+        {"measured": [0.1, 0.2], "before": [0.2, 0.2], "after": [0.1, 0.2]}]}]))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_pipeline_plan.py"), "--pool",
                            str(tmp_path / "old.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--pool: a report this version of the benchmark did not write" in proc.stderr
@@ -176,13 +168,6 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
                                                "--training.local_batch_size", "4"])
     warmup = 1
     args = argparse.Namespace(warmup=warmup, repeats=1, max_splits=20, reuse=False, memory_bytes_per_second=5e9)
-    # one step per split is too few to fit a pace reliably (the fit can end at its range's edge and be refused):
-    # the plan's fit is replaced by one that keeps what it was given and returns 0.2, so the benchmark's wiring is
-    # checked here (the fit itself in test_pipeline_planner)
-    import trainer.plan
-
-    fitted = []
-    monkeypatch.setattr(trainer.plan, "fit_pace", lambda runs: fitted.append(runs) or 0.2)
     for name, value in launch_tmp.env.items():
         monkeypatch.setenv(name, value)
     report = bench.run_group("tiny", "ZBVZeroBubble", args, tmp_path)
@@ -237,28 +222,12 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
             assert sequence[k - 1][0] == sequence[k + 1][0] == 0
             assert row["paired"] == pytest.approx(sequence[k][1] / beside)
     assert (tmp_path / "tiny_ZBVZeroBubble_all_boundaries" / "pipeline_costs.json").is_file()
-    # the pace run: of the other splits, the one the calibrated costs predict to wait most unequally; its costs
-    # record its measured bubbles, and every other split is predicted with the pace both runs fit
-    pace_row = max(rows[1:], key=lambda r: abs(r["after"][0] - r["after"][1]))
-    assert report["pace_run"] == bench.points(tuple(pace_row["counts"]))
-    recorded = json.loads((tmp_path / "tiny_ZBVZeroBubble_pace_run" / "pipeline_costs.json").read_text())["measured"]
-    assert recorded["rank_bubble"] == pytest.approx(pace_row["measured"])
-    assert recorded["split_points"] == bench.points(tuple(pace_row["counts"])).split(",")
-    assert all((r["after_two_runs"] is None) == (r is pace_row) for r in rows)
-    assert all(0 <= b < 1 for r in rows if r is not pace_row for b in r["after_two_runs"])
-    # the pace is fitted on the planner's run and the pace run, as recorded, and it moves the predictions
-    planner_run = json.loads((tmp_path / "tiny_ZBVZeroBubble_all_boundaries" / "pipeline_costs.json").read_text())
-    # (each load of the plan fits it: the split search and the plan's costs)
-    assert fitted and all(runs == [planner_run["measured"], recorded] for runs in fitted) and report["pace"] == 0.2
-    assert any(r["after_two_runs"] != pytest.approx(r["after"], abs=1e-6) for r in rows if r is not pace_row)
-    # the signed error by predicted wait, of each calibration's own predictions (two runs: the pace run's split
-    # has none)
-    for key, table in (("after", report["bias_by_wait"]), ("after_two_runs", report["bias_by_wait_two_runs"])):
-        for (low, high), (mean, n) in zip(bench.WAIT_BANDS, table, strict=True):
-            errors = [100 * (r["measured"][k] - r[key][k]) for r in rows if r[key] is not None for k in range(2)
-                      if low <= r[key][k] < high]
-            assert n == len(errors), (key, low)
-            assert mean == pytest.approx(statistics.mean(errors)) if errors else mean != mean, (key, low)
+    # the signed error by predicted wait, of the calibration's predictions
+    for (low, high), (mean, n) in zip(bench.WAIT_BANDS, report["bias_by_wait"], strict=True):
+        errors = [100 * (r["measured"][k] - r["after"][k]) for r in rows for k in range(2)
+                  if low <= r["after"][k] < high]
+        assert n == len(errors), low
+        assert mean == pytest.approx(statistics.mean(errors)) if errors else mean != mean, low
     # the memory model's column: the FLOP model at the block's one-device FLOP rate with the bytes at 5 GB/s
     from trainer.parallel.pipeline_planner import Simulator
     from trainer.parallel.schedule_sim import program_for
@@ -298,58 +267,6 @@ def test_the_part_table_adds_each_parts_bytes_once(monkeypatch):
     assert [r.split(" | ", 2)[1] for r in rows] == ["F", "B", "I", "W"]
     assert costs.part_table("m", seconds, units)[0] == (
         "| m | F | 100.000 ms (0.10 / 0.00) | 1000.000 ms (1.00 / 1.00) | 2000.000 ms (2.00 / 3.00) |")
-
-
-def test_the_pace_models_replay_and_fit_what_they_say(monkeypatch):
-    """bench_pipeline_paces on 1F1B at pp 2 with two microbatches (rank 0: F0 F1 B0 B1, rank 1: F0 B0 F1 B1),
-    F 1 s and B 2 s on both stages, no transfer time. Worked by hand: the plain replay ends at 9 s with 6 s busy
-    on each rank. Both ranks computing at half pace (c = 1): both F's from 1 to 3, rank 1's B0 alone to 5, rank
-    0's B0 and rank 1's F1 together from 5 (F1 done at 7), B0 beside B1 until 9, B1 alone to 10, rank 0's B1
-    to 12; 9 s busy each. An action after idling costing 1.5 times (w = 0.5): only rank 0's B0 waited (2 s,
-    from 2 to 4) and takes 3 s; rank 0's B1 starts as its input arrives; 9 s, busy 7 and 6. Each fit gets back
-    the figure planted in its input."""
-    from trainer.parallel.schedule_sim import program_for, replay
-
-    paces = load_script(REPO / "benchmarks" / "bench_pipeline_paces.py", monkeypatch)
-    program = program_for("1F1B", 2, 2, 1)
-    assert [[program.actions[a][::2] for a in q] for q in program.order] == [
-        [("F", 0), ("F", 1), ("B", 0), ("B", 1)], [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]
-    table = [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]
-
-    def flat(result):  # (makespan, busy per rank) as one list
-        return [result[0], *result[1]]
-
-    assert flat(replay(program, table)) == [9.0, 6.0, 6.0]
-    for model in (paces.replay_idle, paces.replay_own_wait, paces.replay_contention):  # no effect at 0
-        assert flat(model(program, table, 0.0, 0.0)) == pytest.approx([9.0, 6.0, 6.0])
-    assert flat(paces.replay_contention(program, table, 0.0, 1.0)) == pytest.approx([12.0, 9.0, 9.0])
-    assert flat(paces.replay_idle(program, table, 0.0, 0.5)) == pytest.approx([9.0, 7.0, 6.0])
-    # own wait: a fixed point, the plain replay of each stage's costs x (1 + k x its rank's bubble) gives it back
-    assert program.owner() == {0: 0, 1: 1}
-    makespan, busy = paces.replay_own_wait(program, table, 0.0, 0.3)
-    bubble = [1 - b / makespan for b in busy]
-    again = replay(program, [[v * (1 + 0.3 * bubble[stage]) for stage, v in enumerate(row)] for row in table])
-    assert flat(again) == pytest.approx([makespan, *busy], rel=1e-3)
-    assert busy[0] > 6.0 and makespan > 9.0
-
-    def event(rank, kind, start, seconds, stage=0):
-        return {"pid": rank, "cat": kind, "ts": start * 1e6, "dur": seconds * 1e6, "args": {"stage": stage}}
-
-    # after idling: F's take 1 s, 1.3 s after a 2 s wait; B's 2 s, 2.6 s after a wait
-    step = [event(0, "F", 0, 1), event(0, "F", 1, 1), event(0, "F", 4, 1.3), event(0, "B", 5.3, 2),
-            event(0, "B", 9.3, 2.6), event(0, "B", 11.9, 2)]
-    w, share = paces.fit_idle([step])
-    assert w == pytest.approx(0.3) and share == pytest.approx(2 / 6)
-    # both busy: rank 1 computes from 0 to 100 s; rank 0's F's take 2 s alone and 2 x 1.25 within it, its
-    # B's 4 s and 5 s (c = 0.25); the shares: 1, 0, 1, 0 and rank 1's (2.5 + 5) / 100
-    step = [event(1, "W", 0, 100, stage=1), event(0, "F", 10, 2.5), event(0, "F", 200, 2.0), event(0, "B", 20, 5.0),
-            event(0, "B", 300, 4.0)]
-    assert paces.fit_contention([step]) == pytest.approx((0.25, (1 + 0 + 1 + 0 + 0.075) / 5))
-    # own wait: a block's time a (1 + 0.2 x its rank's bubble)
-    rows = [{"measured": b, "block_s": {"forward": [0.007 * (1 + 0.2 * x) for x in b],
-                                        "backward": [0.013 * (1 + 0.2 * x) for x in b]}}
-            for b in ([0.1, 0.4], [0.3, 0.05])]
-    assert paces.fit_own_wait(rows) == pytest.approx(0.2)
 
 
 def test_the_sleep_models_cost_what_the_flop_model_prices(monkeypatch):

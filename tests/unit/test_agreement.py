@@ -34,17 +34,17 @@ def test_a_tables_entries_compare_in_key_order():
 
 
 def test_the_plans_files_are_compared_by_their_contents(tmp_path):
-    costs, pace = tmp_path / "costs.json", tmp_path / "pace.json"
+    costs, schedule = tmp_path / "costs.json", tmp_path / "schedule.csv"
     costs.write_text('{"a": 1}')
-    pace.write_text('{"b": 2}')
+    schedule.write_text("0F0,0B0\n")
     config = with_parallelism(load_config(overrides=[]), pipeline_parallel_cost_file=str(costs),
-                              pipeline_parallel_pace_files=[str(pace)])
+                              pipeline_parallel_schedule_csv=str(schedule))
     before = config_fingerprint(config)
     costs.write_text('{"a": 2}')  # the same path, other contents: as on another node
     after = config_fingerprint(config)
     key = f"[parallelism] pipeline_parallel_cost_file (contents of {costs})"
     assert [k for k in before if before[k] != after[k]] == [key]
-    assert f"[parallelism] pipeline_parallel_pace_files (contents of {pace})" in before
+    assert f"[parallelism] pipeline_parallel_schedule_csv (contents of {schedule})" in before
     message = first_disagreement([before, after])
     assert message.startswith(f"{key}: ranks [1] have {after[key]} where rank 0 has {before[key]}")
     assert "(different files at the same path on different nodes?)" in message

@@ -238,6 +238,9 @@ def test_shipped_configs_load():
 # (argv or TOML text, words the one-line message must contain)
 CLI_ERRORS = [
     (["--training.stpes", "5"], ["[training] stpes", "unknown key", "did you mean 'steps'"]),
+    # a removed key (the pace model's files) is unknown like a misspelling
+    (["--parallelism.pipeline_parallel_pace_files", "p.json"], ["[parallelism] pipeline_parallel_pace_files",
+                                                                 "unknown key"]),
     (["--traning.steps", "5"], ["[traning]", "unknown section", "did you mean 'training'"]),
     (["--steps", "5"], ["[steps]", "[training] steps"]),
     (["--training.steps", "ten"], ["[training] steps", "'ten'", "integer"]),

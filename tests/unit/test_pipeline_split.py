@@ -452,15 +452,12 @@ def test_dry_run_plans_8b_on_64_ranks(tmp_path):
     text = describe_plan(plan)
     assert "dp_shard 16 * cp 1 * tp 1 * pp 4 = 64 ranks" in text
     assert "ZBVZeroBubble, 8 stages, 2 per rank, V placement, 8 microbatches" in text
-    # 2.6M splits of 32 blocks into 8 stages: the planner searches within its budget and states its bound
-    assert re.search(r"Split from split_mode flops: predicted [0-9.]+% slower than the planner's choice .*"
-                     r"[\d,]+ of 2,629,575 splits simulated; no split is faster than", text)
-    # the bound, and how much slower than it the split found can be (not how far below: 1 - bound / found)
+    # 2.6M splits of 32 blocks into 8 stages: the planner searches within its budget and says so
     search = search_splits(Simulator(plan.pipeline_costs, program_for("ZBVZeroBubble", 4, plan.n_microbatches, 2)))
-    found, bound = search.best[0].makespan, search.lower_bound
-    assert not search.exact and bound < found
-    assert (f"{search.evaluated:,} of 2,629,575 splits simulated; no split is faster than {bound:,.1f}, so the one"
-            f" found is at most {100 * (found - bound) / bound:.1f}% slower than the best") in text
+    assert not search.exact
+    assert re.search(r"Split from split_mode flops: predicted [0-9.]+% slower than the planner's choice .*"
+                     rf"\({search.best[0].makespan:,.1f}; {search.evaluated:,} of 2,629,575 splits simulated before"
+                     r" the search's budget ran out, not proven the best\)", text)
     assert "0      0        tok_embeddings, layers.0-3" in text
     assert "7      0        layers.29-31, norm, output" in text
     assert (tmp_path / "pipeline_schedule.txt").read_text().startswith("rank 0: 0F0")
@@ -679,7 +676,7 @@ def test_every_pipeline_key_at_pp_1_is_named_once_in_one_warning(caplog, tmp_pat
     from trainer.config import JobConfig
 
     (tmp_path / "s.csv").write_text("0F0,0B0\n")  # a schedule CSV is read at any degree, so well formed
-    changed = {"split_points": "layers.2", "split_mode": "flops", "cost_file": "c.json", "pace_files": "p.json",
+    changed = {"split_points": "layers.2", "split_mode": "flops", "cost_file": "c.json",
                "device_tflops": "5", "device_memory_gbytes_per_second": "100", "link_gbytes_per_second": "7",
                "link_latency_us": "3", "memory_limit_gib": "9", "embedding_weight": "2", "output_weight": "3",
                "schedule": "Interleaved1F1B", "schedule_csv": str(tmp_path / "s.csv"), "microbatch_size": "2",

@@ -66,7 +66,7 @@ def config_sections(config: JobConfig):
 
 
 # Keys naming files the job plan reads (the tokenizer and datasets are compared once open: trainer.agreement).
-PLAN_FILE_KEYS = ("pipeline_parallel_cost_file", "pipeline_parallel_pace_files", "pipeline_parallel_schedule_csv")
+PLAN_FILE_KEYS = ("pipeline_parallel_cost_file", "pipeline_parallel_schedule_csv")
 # Paths the ranks compare by what they opened, not by name (the same-data check): node-local copies of the same
 # files may sit at other paths on other nodes.
 OPENED_KEYS = {("training", "dataset_path"), ("validation", "dataset_path"), ("model", "tokenizer_path")}
@@ -88,16 +88,15 @@ def config_fingerprint(config: JobConfig) -> dict[str, str]:
     entries = {f"[{'.'.join(path)}] {name}": text(value) for path, values in config_sections(config)
                for name, value in values.items() if path + (name,) not in OPENED_KEYS}
     for key in PLAN_FILE_KEYS:
-        value = getattr(config.parallelism, key)
-        for name in [value] if isinstance(value, str) else value:
-            if not name:
-                continue
-            try:
-                with open(name, "rb") as f:
-                    digest = "sha256 " + hashlib.file_digest(f, "sha256").hexdigest()[:16]
-            except OSError as e:  # the plan read it moments ago; if it is gone now, that is what differs
-                digest = f"unreadable ({e.strerror or e})"
-            entries[f"[parallelism] {key} (contents of {name})"] = digest
+        name = getattr(config.parallelism, key)
+        if not name:
+            continue
+        try:
+            with open(name, "rb") as f:
+                digest = "sha256 " + hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        except OSError as e:  # the plan read it moments ago; if it is gone now, that is what differs
+            digest = f"unreadable ({e.strerror or e})"
+        entries[f"[parallelism] {key} (contents of {name})"] = digest
     return entries
 
 

@@ -225,10 +225,6 @@ class Parallelism:
     pipeline_parallel_cost_file: str = ""
     """Measured action durations (pipeline_costs.json, written by a run with [profiling] pipeline_timeline_steps) that
     the split planner and the dry run use instead of the FLOP model."""
-    pipeline_parallel_pace_files: list[str] = field(default_factory=list)
-    """More pipeline_costs.json files, from timed runs of this job on other splits (needs pipeline_parallel_cost_file):
-    the planner fits how much slower a pipeline rank computes the more it waits (its actions cost 1 + k x its bubble)
-    over every run's ranks and prices each split with it."""
     pipeline_parallel_device_tflops: Annotated[float, NonNegative] = 0.0
     """Achieved TFLOP/s of one device, to predict the pipeline step in seconds and weigh transfers; 0 = relative units,
     transfers not modelled."""

@@ -108,9 +108,6 @@ def _check_parallelism(config: JobConfig) -> None:
             )
     if p.pipeline_parallel_schedule_csv:
         _check_csv_syntax(p.pipeline_parallel_schedule_csv)
-    if p.pipeline_parallel_pace_files and not p.pipeline_parallel_cost_file:
-        raise ConfigError("[parallelism] pipeline_parallel_pace_files: set pipeline_parallel_cost_file too (the timed"
-                          " run whose costs the plan uses; the pace files only add how a rank's pace follows its wait)")
     if p.pipeline_parallel_device_memory_gbytes_per_second and not p.pipeline_parallel_device_tflops:
         raise ConfigError("[parallelism] pipeline_parallel_device_memory_gbytes_per_second: set"
                           " pipeline_parallel_device_tflops too (bytes are priced in seconds, beside the FLOPs)")

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from trainer.parallel.pipeline_cost import (KINDS, PACE_KINDS, PartCosts, calibrated_costs, fit_costs,
-                                             write_cost_file)
+from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, write_cost_file
 from trainer.parallel.pipeline_planner import Prediction, Simulator, search_splits
 from trainer.parallel.schedule_sim import Program
 
@@ -34,7 +33,6 @@ class Calibration:
         self.parts: list[tuple[str, int, str, float]] = []
         self.steps: list[int] = []
         self.spans: list[float] = []
-        self.bubbles: list[dict[int, float]] = []
         self.owner = program.owner()
 
     def add(self, step: int, actions: list[tuple[str, int, float]], measured_bubble: dict[int, float],
@@ -45,8 +43,6 @@ class Calibration:
         self.parts += parts
         self.steps.append(step)
         self.spans.append(span)
-        if measured_bubble:
-            self.bubbles.append(measured_bubble)
         ranks = range(self.program.num_ranks)
         measured = {(r, k): 0.0 for r in ranks for k in KINDS}
         for kind, stage, seconds in actions:
@@ -72,7 +68,7 @@ class Calibration:
         best = search_splits(sim).best[0]
         write_cost_file(self.path, identity=self.identity, fit=fit,
                         measured=self.meta | {"steps": self.steps, "counts": list(self.counts), "transfer_s": send,
-                                              "span_s": statistics.median(self.spans)} | self._paces())
+                                              "span_s": statistics.median(self.spans)})
         gain = 1 - best.makespan / after.makespan
         choice = ("the planner keeps this split with the measured costs" if best.counts == self.counts else
                   f"with the measured costs the planner would choose {self._points(best)}: predicted step"
@@ -99,16 +95,16 @@ class Calibration:
                 f" {_bubbles(_of(after))} after (a transfer between ranks fitted at {1e3 * send:.2f} ms);"
                 f" {choice}; measured costs written to {self.path}")
 
-    def _block_means(self, kind_of: Callable[[str, int], str | None]) -> dict[tuple[str, int], float]:
-        """(kind, pipeline rank) -> mean seconds per block and microbatch over the recorded steps, each action's
-        kind as ``kind_of(kind, stage)`` names it (None: left out). A block counts as its share of the mean
-        block's price in the FLOP model (``units``), so ranks that hold cheaper or dearer blocks compare at one
-        pace: counted one each, a rank of light blocks read as a fast one, and the pace fit took that for how its
-        wait slowed the other (timed sleeps of unequal blocks fitted k = -0.47 where the ranks ran alike)."""
+    def _block_means(self) -> dict[tuple[str, int], float]:
+        """(kind, pipeline rank) -> mean seconds per block and microbatch over the recorded steps (the first stage's
+        split backward, its W, counts as B). A block counts as its share of the mean block's price in the FLOP
+        model (``units``), so ranks that hold cheaper or dearer blocks compare at one pace: counted one each, a rank
+        of light blocks reads as a fast one."""
         starts = [1 + sum(self.counts[:s]) for s in range(len(self.counts))]
         total: dict[tuple[str, int], list[float]] = {}
         for kind, stage, part, seconds in self.parts:
-            if part == "blocks" and self.counts[stage] and (named := kind_of(kind, stage)) is not None:
+            if part == "blocks" and self.counts[stage]:
+                named = "B" if (kind, stage) == ("W", 0) else kind
                 acc = total.setdefault((named, self.owner[stage]), [0.0, 0.0])
                 acc[0] += seconds
                 acc[1] += self._blocks_priced(kind, stage, starts[stage])
@@ -125,23 +121,12 @@ class Calibration:
 
     def _per_block(self) -> str:
         """Each pipeline rank's mean seconds per block (of the mean block's price) and microbatch by action kind,
-        over the recorded steps (the first stage's split backward, its W, counts as B)."""
-        means = self._block_means(lambda kind, stage: "B" if (kind, stage) == ("W", 0) else kind)
+        over the recorded steps (``_block_means``)."""
+        means = self._block_means()
         ranks = range(self.program.num_ranks)
         kinds = [f"{k} " + " / ".join(f"{1e3 * means[(k, r)]:.2f}" for r in ranks) + " ms"
                  for k in KINDS if all((k, r) in means for r in ranks)]
         return f"{', '.join(kinds)} on pp rank {' / '.join(map(str, ranks))}" if kinds else ""
-
-    def _paces(self) -> dict:
-        """What ``pipeline_cost.fit_pace`` reads of this run: each rank's median bubble over the steps and its
-        mean seconds per block, forward (F) and backward (B or I: a W, the first stage's whole split backward
-        included, is left out so that the ranks' figures are of one kind); {} without both."""
-        means = self._block_means(lambda kind, stage: {"F": "forward", "B": "backward", "I": "backward"}.get(kind))
-        ranks = range(self.program.num_ranks)
-        if not self.bubbles or not means:
-            return {}
-        return {"rank_bubble": [statistics.median(b[r] for b in self.bubbles) for r in ranks],
-                "rank_block_s": {k: [means.get((k, r)) for r in ranks] for k in PACE_KINDS}}
 
     def _points(self, p: Prediction) -> str:
         starts = [sum(p.counts[:i]) for i in range(1, len(p.counts))]

@@ -51,7 +51,6 @@ from trainer.models.registry import ModelLayout, model_blocks
 
 KINDS = ("F", "B", "I", "W")
 COST_FILE_KEY = "[parallelism] pipeline_parallel_cost_file"
-PACE_FILES_KEY = "[parallelism] pipeline_parallel_pace_files"
 
 
 @dataclass(frozen=True)
@@ -70,9 +69,6 @@ class PartCosts:
     """Where the numbers come from, for the dry run."""
     measured_counts: tuple[int, ...] | None = None
     """Blocks per stage of the run the costs were measured on (measured costs only)."""
-    pace: float = 0.0
-    """k: every action of a pipeline rank costs 1 + k x that rank's bubble times its price (fitted from timed runs
-    on two or more splits, ``fit_pace``; 0: a rank's pace does not depend on its wait)."""
 
     @property
     def num_blocks(self) -> int:
@@ -313,68 +309,20 @@ IDENTITY_KEYS = {"model": "[model] name / flavor / overrides",
                  "attention": "[model] attn_mask_type / attn_backend"}
 
 
-def read_cost_file(path: str, identity: dict, key: str = COST_FILE_KEY) -> dict:
-    """The measured file's content, refused with one line naming ``key`` when it does not describe this job."""
+def read_cost_file(path: str, identity: dict) -> dict:
+    """The measured file's content, refused with one line naming the key when it does not describe this job."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
         fit, job, measured = data["fit"], data["job"], data["measured"]
     except FileNotFoundError:
-        raise ConfigError(f"{key}: {p.resolve()} does not exist") from None
+        raise ConfigError(f"{COST_FILE_KEY}: {p.resolve()} does not exist") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{key}: {p.resolve()} is not a pipeline cost file written by a timed run"
+        raise ConfigError(f"{COST_FILE_KEY}: {p.resolve()} is not a pipeline cost file written by a timed run"
                           f" ({type(e).__name__}: {e})") from None
     for name, sets in IDENTITY_KEYS.items():
         if job.get(name) != identity[name]:
-            raise ConfigError(f"{key}: {p} was measured with {name} {job.get(name)!r}, this job has"
+            raise ConfigError(f"{COST_FILE_KEY}: {p} was measured with {name} {job.get(name)!r}, this job has"
                               f" {identity[name]!r} ({sets}); measure again with this job's settings")
     return {"fit": fit, "measured": measured}
 
-
-PACE_KINDS = ("forward", "backward")
-MIN_PACE_SPREAD = 0.10
-"""The least difference between two ranks' bubbles within one timed run that fits a pace."""
-PACE_RANGE = (-0.5, 1.0)
-"""The paces ``fit_pace`` searches (timed runs on CPU gave 0.03 to 0.43); one on either end is too noisy to plan
-with."""
-
-
-def fit_pace(runs: list[dict]) -> float | None:
-    """k of a block's pace = a x (1 + k x its rank's bubble), from timed runs' ``measured`` records: each pipeline
-    rank's bubble (``rank_bubble``) and its mean seconds per block and microbatch, forward and backward
-    (``rank_block_s``; a rank without that kind's blocks, None or NaN, is left out).
-
-    Within each run and kind, each rank's time over the mean of its ranks' times: a machine that ran faster in
-    one run than in another (this one drifts by tenths over minutes) cancels, and what is left is how the
-    ranks of one step differ, against how much each waited. k minimises the squared error of (1 + k b) over the
-    run's mean of (1 + k b) against those ratios (golden-section search over PACE_RANGE). Runs whose ranks waited
-    alike carry no weight: see ``pace_spread``."""
-    groups = []
-    for run in runs:
-        for kind in PACE_KINDS:
-            points = [(bubble, seconds) for bubble, seconds in zip(run["rank_bubble"], run["rank_block_s"][kind],
-                                                                   strict=True)
-                      if seconds is not None and not math.isnan(seconds)]
-            if len(points) >= 2 and (mean := statistics.fmean(t for _, t in points)) > 0:
-                groups.append([(b, t / mean) for b, t in points])
-    if not groups:
-        return None
-
-    def error(k: float) -> float:
-        total = 0.0
-        for group in groups:
-            mean = statistics.fmean(1 + k * b for b, _ in group)
-            total += math.fsum((y - (1 + k * b) / mean) ** 2 for b, y in group)
-        return total
-
-    low, high = PACE_RANGE
-    ratio = (math.sqrt(5) - 1) / 2
-    for _ in range(80):
-        a, b = high - ratio * (high - low), low + ratio * (high - low)
-        low, high = (low, b) if error(a) <= error(b) else (a, high)
-    return (low + high) / 2
-
-
-def pace_spread(runs: list[dict]) -> float:
-    """The most two ranks' bubbles differ within one run (a fraction of the step): what the pace is fitted on."""
-    return max(max(run["rank_bubble"]) - min(run["rank_bubble"]) for run in runs)

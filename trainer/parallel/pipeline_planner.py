@@ -12,47 +12,28 @@ split, a rank-balanced one and the even one, each moving one block at a time bet
 that shortens the step (moves that ``Simulator.bound`` puts above both the kept splits and the descent's
 current split are not replayed), then a depth-first branch and bound over the cut positions: a rank's busy
 time never exceeds the makespan, so any partial split whose busiest rank already exceeds the best makespans
-kept is dropped unseen. That
-holds for the priced loads when a rank's pace follows its wait too (``PartCosts.pace`` = k, within
-``PACE_RANGE``): at the fixed point a rank's paced busy time is b = L (1 + k (1 - b / M)) for its
-priced load L and the step M, with b <= M. For k >= 0 its pace is at least 1, so M >= b >= L. For
-k < 0, b = L (1 + k) / (1 + k L / M), and M < L would give 1 + k L / M < 1 + k, so b > L > M. If the
-budget runs out first (splits replayed, or partial splits visited), the result is still a valid split and the
-search states a lower bound on the optimum, so the gap is known: the largest of the smallest bound of the parts it
-did not explore, the average rank's least work (``Simulator.least_work``), and the step of the best fractional
-split (``Simulator.relaxed_bound``: a replay's step is its longest chain of actions, a line in the stages' sizes).
+kept is dropped unseen. If the budget runs out first (splits replayed, or partial splits visited), the result is
+the best split found, not proven the best (``SplitSearch.exact`` false).
 """
 
-import functools
 import heapq
 import itertools
 import math
-import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from trainer.parallel.pipeline_cost import KINDS, PartCosts
-from trainer.parallel.schedule_sim import Program, critical_path, replay, replay_paced
+from trainer.parallel.schedule_sim import Program, replay
 
 # Action-replays (actions x candidates) of the whole search when it lists every split, else of its branch and bound.
 REPLAY_BUDGET = 2_000_000
-# Action-replays that choose the pace run (most_unequal_split): its random draw where there are more splits.
-UNEQUAL_REPLAYS = 200_000
 # Action-replays of the descents from the seeds, by default (moves a bound rules out are not replayed). With the
 # branch and bound: 0.9-8.1 s a search for 8B and 70B at pp 4-16 on this project's CPU, planning alone (no memory
-# limit; the dry run's bound up to 1.1 s more), and up to 8.2% faster splits than 200,000 in all
-# (benchmarks/bench_planner_search.py).
+# limit), and up to 8.2% faster splits than 200,000 in all (benchmarks/bench_planner_search.py).
 DESCENT_REPLAYS = 20_000_000
 # Partial splits the branch and bound may visit per replay in its budget (a visit prices its children's stage loads
 # from running sums, no replay).
 NODES_PER_REPLAY = 100
-# Replays of the split's continuous relaxation at most (Simulator.relaxed_bound): 19-174 settled it within 0.1%
-# for 8B and 70B at pp 4-16 (benchmarks/bench_planner_search.py).
-RELAXATION_ROUNDS = 300
-# Replays of a paced prediction, a typical count (schedule_sim.replay_paced's rounds and the last one).
-PACED_REPLAYS = 12
 
 
 @dataclass(frozen=True)
@@ -76,22 +57,11 @@ class SplitSearch:
     """Contiguous splits of the blocks into the stages (each stage at least one block)."""
     evaluated: int
     exact: bool
-    rank_bound: float
-    """No split's makespan is below this (equal to the best one's when exact): from the ranks' loads."""
+    """Every split was replayed or ruled out: the first of ``best`` is the best there is (of those that fit)."""
     refused_for_memory: int
     """Splits evaluated and dropped because a rank would exceed the memory limit."""
     visited: int = 0
     """Partial splits the branch and bound priced (at most NODES_PER_REPLAY x the replay budget)."""
-    relaxation: Callable[[], float | None] | None = field(default=None, compare=False, repr=False)
-    """The split's continuous relaxation (``Simulator.relaxed_bound``) of an inexact search, not yet run."""
-
-    @functools.cached_property
-    def lower_bound(self) -> float:
-        """No split's makespan is below this: ``rank_bound`` raised by the relaxation. Run when first asked for: the
-        dry run states it, a launch never asks (up to 1.1 s of every rank's start-up for 70B at pp 16)."""
-        relaxed = self.relaxation() if self.relaxation is not None else None
-        bound = self.rank_bound if relaxed is None else max(self.rank_bound, relaxed)
-        return min(bound, self.best[0].makespan) if self.best else bound
 
 
 class Simulator:
@@ -130,8 +100,7 @@ class Simulator:
     def bound(self, counts: tuple[int, ...]) -> float:
         """A step no split of ``counts`` can beat, without a replay: for each rank, one microbatch's forward through
         the stages below its first (no action of the rank can start before that: each needs a forward of its own
-        stage, which needs the forwards below) plus the rank's busy time. Paced (k >= 0) both only grow; for a pace
-        below 0 the busy time alone (the module's note)."""
+        stage, which needs the forwards below) plus the rank's busy time."""
         owner, send, f, last = self.owner, self.costs.send, KINDS.index("F"), len(counts) - 1
         loads, reach, start = [0.0] * len(self.stage_ids), [0.0], 0
         for s, c in enumerate(counts):
@@ -139,78 +108,10 @@ class Simulator:
             loads[owner[s]] += sum(self.counts[k][s] * v for k, v in enumerate(values))
             reach.append(reach[-1] + values[f] + (send if s < last and owner[s] != owner[s + 1] else 0.0))
             start += c
-        if self.costs.pace < 0:
-            return max(loads)
         return max(reach[self._first[r]] + load for r, load in enumerate(loads))
 
-    def least_work(self) -> float:
-        """At most the least the ranks work in all over every split. The first stage holds the first c blocks and
-        runs their whole backward as its W (its I computes nothing, and a measured B need not be I + W); every other
-        block goes to the later stage where it costs least; plus what each stage costs without blocks; the least
-        over c. Exact where every later stage runs the same actions (not DualPipeV, whose stages run B or I and W
-        by rank and step, nor every CSV schedule); a lower bound always."""
-        n, stages = self.costs.num_blocks, self.program.num_stages
-        empty = [self.load_of(s, 0, 0) for s in range(stages)]
-        if stages == 1:
-            return self.load_of(0, 0, n)
-        later = [min(self.load_of(s, b, b + 1) - empty[s] for s in range(1, stages)) for b in range(n)]
-        tail = list(itertools.accumulate(reversed(later), initial=0.0))[::-1]  # tail[c]: blocks c .. n - 1
-        return sum(empty[1:]) + min(self.load_of(0, 0, c) + tail[c] for c in range(1, n - stages + 2))
-
-    def relaxed_bound(self, rounds: int = RELAXATION_ROUNDS, tolerance: float = 1e-3) -> float | None:
-        """A step no split can beat, from the split's continuous relaxation: stage s holds x_s >= 1 blocks (any real
-        number, summing to the blocks), each action costing what its stage costs empty plus x_s times the least a
-        block costs in that kind. A replay's step is its longest chain of actions (``schedule_sim.critical_path``):
-        each chain found is a line under the step at every x, and no split's step is below the best mix of those
-        lines at its lowest corner of the x simplex (every block costs at least the least; a paced step, k >= 0, only
-        adds). The chains come from Kelley's cutting planes: replay at the x where the mix so far is lowest, until
-        the step found there is within ``tolerance`` of the bound, or ``rounds`` replays (-inf for none). For equal
-        blocks it is the best fractional split's step (within ``tolerance``, unless the rounds run out), below the
-        best split's by what whole blocks cost. None for a pace below 0."""
-        if self.costs.pace < 0:
-            return None
-        n, stages, kinds = self.costs.num_blocks, self.program.num_stages, range(len(KINDS))
-        empty = [self._values(s, 0, 0) for s in range(stages)]
-        # The least one block adds to each kind of each stage (the first stage's I and W as _values prices them)
-        per_block = []
-        for s in range(stages):
-            one = [self._values(s, b, b + 1) for b in range(n)]
-            per_block.append([min(v[k] for v in one) - empty[s][k] for k in kinds])
-        actions, send = self.program.actions, self.costs.send
-        kind_of = [KINDS.index(kind) for kind, _, _ in actions]
-        x, levels, slopes, lower, upper = [n / stages] * stages, [], [], -math.inf, math.inf
-        for _ in range(rounds):
-            table = [[empty[s][k] + per_block[s][k] * x[s] for s in range(stages)] for k in kinds]
-            spans: list = []
-            upper = min(upper, replay(self.program, table, send, spans)[0])
-            path, transfers = critical_path(self.program, spans, send)
-            level, slope = transfers * send, [0.0] * stages
-            for a in path:
-                stage, k = actions[a][1], kind_of[a]
-                level += empty[stage][k]
-                slope[stage] += per_block[stage][k]
-            levels.append(level)
-            slopes.append(slope)
-            # Each chain's line at each corner (x_s = n - stages + 1, the others 1): a mix of chains is a bound
-            # at its lowest corner, whatever the mix; the game's mix makes it the highest.
-            lines = np.array(slopes)
-            corners = np.array(levels)[:, None] + lines.sum(1, keepdims=True) + (n - stages) * lines
-            mix, where = _solve_game(corners)
-            lower = max(lower, float((mix @ corners).min()))
-            if upper - lower <= tolerance * upper:
-                break
-            x = list(1.0 + (n - stages) * where)
-        return lower
-
-    @property
-    def replays(self) -> int:
-        """Replays of the schedule per predicted split, about (a paced one's rounds: PACED_REPLAYS)."""
-        return PACED_REPLAYS if self.costs.pace else 1
-
     def predict(self, counts: tuple[int, ...], spans: list | None = None) -> Prediction:
-        table, send, pace = self.costs.stage_table(counts), self.costs.send, self.costs.pace
-        makespan, busy = (replay_paced(self.program, table, send, pace, spans) if pace else
-                          replay(self.program, table, send, spans))
+        makespan, busy = replay(self.program, self.costs.stage_table(counts), self.costs.send, spans)
         return Prediction(tuple(counts), makespan, tuple(busy))
 
 
@@ -226,7 +127,7 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     n, stages = sim.costs.num_blocks, sim.program.num_stages
     explicit = budget is not None
     if budget is None:
-        budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions) * sim.replays, 1))
+        budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions), 1))
     total = math.comb(n - 1, stages - 1)
     # A max-heap of the best by (makespan, then the sum of squared stage loads), negated: where the
     # simulation cannot tell splits apart (a rank off the critical path holds two stages: any division
@@ -265,13 +166,13 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
         for cuts in itertools.combinations(range(1, n), stages - 1):
             bounds = (0, *cuts, n)
             evaluate(tuple(b - a for a, b in zip(bounds, bounds[1:])))
-        return _result(kept, total, state, exact=True, lower=None)
+        return _result(kept, total, state, exact=True)
 
     # Incumbents first (sharp pruning): the given seed, the rank-balanced split and the even one,
     # each walked downhill.
     even = tuple(n // stages + (1 if s < n % stages else 0) for s in range(stages))
     # A given budget bounds the whole search; by default the descents have their own, the branch and bound its own.
-    descents = budget if explicit else max(budget, DESCENT_REPLAYS // max(len(sim.program.actions) * sim.replays, 1))
+    descents = budget if explicit else max(budget, DESCENT_REPLAYS // max(len(sim.program.actions), 1))
 
     def skip(counts: tuple[int, ...], current: float) -> bool:
         """Whether a move's bound puts it above both the kept splits (whose step is compared rounded, within 1e-8)
@@ -290,39 +191,8 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
     nodes = NODES_PER_REPLAY * budget
     if not explicit:
         budget += state["evaluated"]
-    lower = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, nodes, state)
-    relaxation = None
-    if lower is not None:  # some rank works at least the average: the step is at least the least average
-        lower = max(lower, sim.least_work() / len(sim.stage_ids))
-        # the relaxation's replays count against a given budget too (its rounds are one replay each)
-        rounds = max(budget - state["evaluated"], 0) * sim.replays if explicit else RELAXATION_ROUNDS
-        relaxation = functools.partial(sim.relaxed_bound, min(rounds, RELAXATION_ROUNDS))
-    return _result(kept, total, state, exact=lower is None, lower=lower, relaxation=relaxation)
-
-
-def most_unequal_split(sim: Simulator, cap: int | None = None,
-                       skip: tuple[int, ...] | None = None) -> tuple[Prediction, int]:
-    """(the split whose ranks' predicted bubbles differ most, how many splits were compared): every contiguous
-    split but ``skip``, or ``cap`` of them drawn with a fixed seed where there are more (default: as many as
-    UNEQUAL_REPLAYS allows). A timed run of it fits the pace (``pipeline_cost.fit_pace``) from ranks that
-    wait as unequally as the model allows."""
-    n, stages = sim.costs.num_blocks, sim.program.num_stages
-    if cap is None:
-        cap = max(16, UNEQUAL_REPLAYS // max(len(sim.program.actions) * sim.replays, 1))
-    rng = random.Random(0)
-    cuts = (itertools.combinations(range(1, n), stages - 1) if math.comb(n - 1, stages - 1) <= cap else
-            [tuple(sorted(rng.sample(range(1, n), stages - 1))) for _ in range(cap)])
-    best, compared = None, set()
-    for cut in cuts:
-        counts = tuple(b - a for a, b in zip((0, *cut), (*cut, n)))
-        if counts in compared or counts == skip:
-            continue
-        compared.add(counts)
-        pred = sim.predict(counts)
-        bubbles = [pred.bubble(r) for r in range(len(pred.busy))]
-        if best is None or max(bubbles) - min(bubbles) > best[0]:
-            best = (max(bubbles) - min(bubbles), pred)
-    return best[1], len(compared)
+    exact = _branch_and_bound(sim, n, stages, evaluate, threshold, budget, nodes, state)
+    return _result(kept, total, state, exact=exact)
 
 
 def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
@@ -359,44 +229,6 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def _solve_game(payoff: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row mix, column mix) of the zero-sum game in which rows choose to raise ``payoff`` and columns to lower it,
-    by the simplex method on max sum(z) for payoff' z <= 1, z >= 0 (payoff' = payoff shifted above 0 and scaled into
-    (0, 1]; Bland's rule). The row mix comes from the final tableau's prices; a caller scores it on ``payoff``
-    itself, so any mix it returns gives a true bound."""
-    rows, cols = payoff.shape
-    table = np.zeros((rows + 1, cols + rows + 1))
-    shifted = payoff - payoff.min() + 1.0
-    table[:rows, :cols] = shifted / shifted.max()  # in (0, 1]: the tolerances below are relative to the largest
-    table[:rows, cols:cols + rows] = np.eye(rows)
-    table[:rows, -1] = 1.0
-    table[rows, :cols] = -1.0
-    basis = list(range(cols, cols + rows))
-    for _ in range(50 * (rows + cols)):
-        entering = np.flatnonzero(table[rows, :-1] < -1e-9)
-        if not entering.size:
-            break
-        e = int(entering[0])
-        column = table[:rows, e]
-        ratios = np.where(column > 1e-9, table[:rows, -1] / np.where(column > 1e-9, column, 1.0), np.inf)
-        if not np.isfinite(ratios.min()):
-            break  # unbounded: not for a payoff above 0
-        ties = np.flatnonzero(ratios <= ratios.min() + 1e-12 * max(1.0, abs(ratios.min())))
-        r = int(min(ties, key=lambda i: basis[i]))
-        table[r] /= table[r, e]
-        pivot = table[r].copy()
-        table -= np.outer(table[:, e], pivot)
-        table[r] = pivot
-        basis[r] = e
-    prices = np.maximum(table[rows, cols:cols + rows], 0.0)
-    z = np.zeros(cols)
-    for i, b in enumerate(basis):
-        if b < cols:
-            z[b] = max(table[i, -1], 0.0)
-    mix = prices / prices.sum() if prices.sum() > 0 else np.full(rows, 1.0 / rows)
-    return mix, (z / z.sum() if z.sum() > 0 else np.full(cols, 1.0 / cols))
-
-
 def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=None) -> Prediction | None:
     """Move one block from one stage to another while that shortens the step (first improvement; neighbouring
     stages first); returns where it stopped. A block moved between stages further apart shifts every cut between
@@ -427,12 +259,11 @@ def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=N
 
 
 def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, budget: int, nodes: int,
-                      state: dict) -> float | None:
-    """Visit the splits whose busiest rank stays under the current threshold; None when all were seen,
-    else the smallest rank-load bound among the parts left unexplored when the budget ran out (``budget``
-    replays in all, or ``nodes`` partial splits visited)."""
+                      state: dict) -> bool:
+    """Visit the splits whose busiest rank stays under the current threshold; whether every one was seen (not when
+    the budget ran out first: ``budget`` replays in all, or ``nodes`` partial splits visited)."""
     owner = sim.owner
-    unexplored = [math.inf]
+    finished = [True]
     loads = [0.0] * len(sim.stage_ids)
     slack = 1 + 1e-8  # as evaluate's tie window (steps rounded to 9 digits); running sums differ in the last bits
 
@@ -441,7 +272,7 @@ def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, 
         if bound >= threshold() * slack:
             return
         if state["evaluated"] >= budget or state["visited"] >= nodes:
-            unexplored[0] = min(unexplored[0], bound)
+            finished[0] = False
             return
         state["visited"] += 1
         s = len(prefix)
@@ -459,12 +290,9 @@ def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, 
             loads[owner[s]] -= add
 
     visit([], 0)
-    return None if unexplored[0] == math.inf else unexplored[0]
+    return finished[0]
 
 
-def _result(kept, total: int, state: dict, *, exact: bool, lower: float | None, relaxation=None) -> SplitSearch:
+def _result(kept, total: int, state: dict, *, exact: bool) -> SplitSearch:
     best = tuple(p for *_, p in sorted(kept, key=lambda k: (-k[0], -k[1], k[2])))
-    if best:
-        lower = best[0].makespan if lower is None else min(lower, best[0].makespan)
-    return SplitSearch(best, total, state["evaluated"], exact, lower if lower is not None else math.inf,
-                       state["refused"], state["visited"], relaxation)
+    return SplitSearch(best, total, state["evaluated"], exact, state["refused"], state["visited"])

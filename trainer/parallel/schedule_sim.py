@@ -256,65 +256,6 @@ def replay(program: Program, table: list[list[float]], send: float = 0.0,
     return max(clock), busy
 
 
-# Most rounds of the fixed point of a paced replay (10-22 replays settled it within PACE_RANGE's paces, random
-# costs, pp 2-8).
-PACE_ROUNDS = 60
-
-
-class Unsettled(RuntimeError):
-    """A paced replay whose ranks' paces did not settle (a pace outside the range it is fitted in)."""
-
-
-def replay_paced(program: Program, table: list[list[float]], send: float, pace: float,
-                 spans: list | None = None) -> tuple[float, list[float]]:
-    """``replay`` with every rank's actions costing 1 + ``pace`` x that rank's bubble, the bubble of the step they
-    make: a fixed point, found by replaying with paces moved towards those the previous replay gives. A rank's
-    new pace moves against its old one by up to ``pace`` times as much (a slower rank waits less), so undamped
-    rounds swing about the fixed point for a pace near 1 and settle slowly; moved 1 / (1 + pace / 2) of the way,
-    each round leaves about a third of the error or less (to first order) for paces from -0.5 to 1. ``Unsettled``
-    if they never settle."""
-    owner = program.owner()
-    factor = [1.0] * program.num_ranks
-    step = 1.0 / (1.0 + pace / 2)
-    for _ in range(PACE_ROUNDS):
-        makespan, busy = replay(program, [[v * factor[owner[s]] for s, v in enumerate(row)] for row in table], send)
-        again = [1.0 + pace * (1.0 - b / makespan) for b in busy]
-        if max(abs(a - b) for a, b in zip(again, factor, strict=True)) < 1e-10:
-            break
-        factor = [f + step * (a - f) for f, a in zip(factor, again, strict=True)]
-    else:
-        raise Unsettled(f"a paced replay (pace {pace}) did not settle in {PACE_ROUNDS} rounds")
-    return replay(program, [[v * factor[owner[s]] for s, v in enumerate(row)] for row in table], send, spans)
-
-
-def critical_path(program: Program, spans: list, send: float = 0.0) -> tuple[list[int], int]:
-    """(action ids, transfers): a chain of actions that decides the step of a ``replay`` that wrote ``spans`` with
-    ``send``, first to last, and how many transfers between ranks lie on it. Each action follows the one that let
-    it start: its rank's previous action, or an input (plus ``send`` from another rank). The chain is a path of the
-    program whatever the costs, so under any costs its length is at most the step a replay with those costs gives."""
-    ids = {a: i for i, a in enumerate(program.actions)}
-    begins, done, rank_before, previous = {}, {}, {}, {}
-    for r, kind, stage, mb, begin, end in spans:
-        a = ids[(kind, stage, mb)]
-        begins[a], done[a] = begin, end
-        if r in previous:
-            rank_before[a] = previous[r]
-        previous[r] = a
-    a = max(done, key=done.__getitem__)
-    path, transfers = [a], 0
-    while begins[a] > 0.0:
-        inputs = [(d, cross) for d, cross in program.deps[a] if done[d] + (send if cross else 0.0) == begins[a]]
-        if inputs:
-            a, cross = inputs[0]
-            transfers += cross
-        elif a in rank_before and done[rank_before[a]] == begins[a]:
-            a = rank_before[a]
-        else:  # not reached: replay starts an action at one of these times
-            break
-        path.append(a)
-    return path[::-1], transfers
-
-
 def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
     """(makespan, busy time summed over ranks) running each rank's torch actions in order (see ``_run``)."""
     return _run(*_lowered(ops), num_stages=num_stages)
