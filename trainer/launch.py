@@ -99,10 +99,25 @@ def announce_rendezvous(args, first: float = 5.0, every: float = 15.0) -> None:
                 wait = every
 
         threading.Thread(target=tell, name="rendezvous-announce", daemon=True).start()
-        try:
-            info = join(self)
-        finally:
-            done.set()
+        # The join runs in a thread of its own while this (main) thread waits in Python: the join blocks inside
+        # the store's C++ calls, where a signal's Python handler would not run until the call returned (Ctrl-C
+        # was seen lost for 65 s that way); a wait on an Event is interrupted at once.
+        joined: dict = {}
+
+        def joining():
+            try:
+                joined["info"] = join(self)
+            except BaseException as e:  # handed to the main thread, which raises it
+                joined["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=joining, name="rendezvous-join", daemon=True).start()
+        while not done.wait(1.0):
+            pass
+        if "error" in joined:
+            raise joined["error"]
+        info = joined["info"]
         rank, world = (info[1], info[2]) if isinstance(info, tuple) else (getattr(info, "rank", "?"),
                                                                             getattr(info, "world_size", "?"))
         print(f"launcher: node {rank} of {world} joined after {time.monotonic() - start:.0f} s; starting"

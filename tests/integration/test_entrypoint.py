@@ -232,6 +232,40 @@ def test_a_lone_node_says_it_is_waiting_for_the_others(signum, launch_tmp):
     assert not launch_tmp.left()
 
 
+BLOCKED_JOIN = """
+import sys, types
+from datetime import timedelta
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from trainer import launch
+
+def join(self):  # a rendezvous stuck inside the store's C++ wait, where Python runs no signal handler
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.wait(["never"], timedelta(seconds=60))
+
+dynamic_rendezvous.DynamicRendezvousHandler.next_rendezvous = join
+launch.announce_rendezvous(types.SimpleNamespace(nnodes="2", rdzv_endpoint="-", rdzv_id="-", nproc_per_node=1),
+                           first=0.5)
+try:
+    dynamic_rendezvous.DynamicRendezvousHandler.next_rendezvous(object())
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_reaches_a_launcher_whose_rendezvous_waits_in_the_store():
+    """The lost Ctrl-C: a lone node's rendezvous waits inside a C++ store call, where a Python signal handler
+    does not run until the call returns (60 s here; the launcher kept waiting 65 s once). The launcher's main
+    thread waits in Python while the join runs in a thread, so the interrupt is taken at once."""
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_JOIN], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = _read_until(proc, lambda line: line.startswith("launcher: waiting for all 2 nodes"), seconds=30)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    lines += _rest(proc, seconds=20)
+    assert "interrupted\n" in lines and time.monotonic() - start < 10, "".join(lines)[-2000:]
+
+
 @pytest.mark.slow  # two processes
 def test_ctrl_c_stops_every_rank_with_one_line_each(tmp_path, launch_tmp):
     """Ctrl-C (SIGINT to the terminal's process group) in a two-rank run: each rank and then the launcher say they
