@@ -66,18 +66,19 @@ def _kind(value) -> str:
 
 
 def entry(data: dict, name: str, types: type | tuple, path: Path, key: str, *, required: bool = True,
-          finite: bool = True):
+          finite: bool = True, where: str = ""):
     """``data[name]`` checked to be of ``types`` (and, for a number, finite); a missing or wrong entry is one
-    UserError naming the file and the entry."""
+    UserError naming the file and the entry (``where``: its place in the file, e.g. ``fit.F.pre_s``)."""
+    where = where or name
     if name not in data:
         if required:
-            raise UserError(f"{key}: {path} has no {name!r}")
+            raise UserError(f"{key}: {path} has no {where!r}")
         return None
     value = data[name]
     bad_bool = isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
     if not isinstance(value, types) or bad_bool:
         wanted = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-        raise UserError(f"{key}: {path} {name} = {value!r}: expected {wanted}")
+        raise UserError(f"{key}: {path} {where} = {value!r}: expected {wanted}")
     if finite and isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"{key}: {path} {name} = {value!r}: must be a finite number")
+        raise UserError(f"{key}: {path} {where} = {value!r}: must be a finite number")
     return value

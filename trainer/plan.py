@@ -317,6 +317,17 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     )
     if check_memory:
         _check_state_memory(plan)
+    if pipeline is not None and pipeline.search is None and p.pipeline_parallel_memory_limit_gib:
+        # a split the user gave (or an even/FLOP-balanced one) is not searched: its ranks are still held to the limit
+        rank_bytes = split_memory(config, spec, args, whole, dims, device, n_micro)(
+            pipeline.counts, [pipeline.stage_ids(r) for r in range(dims.pp)])
+        if max(rank_bytes) > limit:
+            worst = max(range(dims.pp), key=lambda r: rank_bytes[r])
+            logger.warning("[parallelism] pipeline_parallel_memory_limit_gib = %g: the split %s puts %.2f GiB on pp"
+                           " rank %d (state + activations + the loss's gradient), above the limit; the split mode"
+                           " 'makespan' without split points would search splits within it",
+                           p.pipeline_parallel_memory_limit_gib, pipeline.split_points(), rank_bytes[worst] / 2**30,
+                           worst)
     if pipeline is not None and pipeline.search is not None and pipeline.search.refused_for_memory:
         logger.warning("[parallelism] pipeline split %s chosen without %d splits in which a rank would exceed the"
                        " memory limit of %.1f GiB (pipeline_parallel_memory_limit_gib, 0 = this device's memory)",

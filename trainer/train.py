@@ -25,7 +25,7 @@ from trainer.agreement import MEMORY_ENTRY, check_same_data, check_same_job
 from trainer.checkpoint import Checkpointer, GlobalBatch, build_save_group
 from trainer.config import JobConfig, to_toml
 from trainer.config.render import config_fingerprint
-from trainer.config.validate import output_folders
+from trainer.config.validate import data_identity, output_folders
 from trainer.data.documents import model_inputs, on_device
 from trainer.data import PackedBatchLoader, WindowLoader, build_eval_loader, build_tokenizer, build_train_loader
 from trainer.dtensor import full_tensor, local_tensor
@@ -233,6 +233,7 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
         tokenizer=tokenizer, attention=config.model.attn_mask_type,
         save_group=build_save_group(config.checkpoint, config.comm.init_timeout_seconds),
         model_context=_model_context(plan) if config.checkpoint.export_hf else None,
+        data=data_identity(config.training),
     )
     timeline = None
     if config.profiling.pipeline_timeline_steps and parts.schedule is not None:

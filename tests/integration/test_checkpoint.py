@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,7 +265,7 @@ def test_checkpoint_errors(tmp_path):
         train(base, tmp_path / "c")
 
 
-def test_resume_into_a_model_with_fewer_layers_names_the_dropped_tensors(tmp_path):
+def test_resume_into_a_model_with_fewer_layers_names_the_dropped_tensors(tmp_path, caplog):
     """Saved with 3 blocks, resumed with 2: block 2's tensors have nowhere to go. That is an error naming them,
     unless [checkpoint] exclude_from_loading leaves them behind by name; excluding tensors the model has is refused."""
     base = ["--training.local_batch_size", "8", "--training.steps", "4", *CKPT]
@@ -275,7 +276,9 @@ def test_resume_into_a_model_with_fewer_layers_names_the_dropped_tensors(tmp_pat
         train(fewer, tmp_path)
     with pytest.raises(UserError, match=r"'model\.layers\.1' names tensors this model has"):
         train(fewer + ["--checkpoint.exclude_from_loading", "model.layers.1"], tmp_path)
-    left = train(fewer + ["--checkpoint.exclude_from_loading", "model.layers.2"], tmp_path)
+    left = train(fewer + ["--checkpoint.exclude_from_loading", "model.layers.2,model.layers.9"], tmp_path)
+    assert "exclude_from_loading: 'model.layers.9' names no tensor of" in caplog.text  # a typo is said
+    assert "'model.layers.2' names no tensor" not in caplog.text
     # Blocks 0 and 1 come from the checkpoint: the resumed loss is the trained model's, below a fresh 2-block start.
     fresh = train(["--training.local_batch_size", "8", "--training.steps", "2", "--model.overrides.n_layers", "2"],
                   tmp_path / "fresh")
@@ -551,6 +554,24 @@ def test_a_resume_with_another_attention_says_so(tmp_path, caplog, monkeypatch):
     caplog.clear()
     train(args + ["--training.stop_at_step", "3"], tmp_path / "old")
     assert "step-2 was trained before [model] attn_mask_type existed, with causal attention" in caplog.text
+
+
+def test_a_resume_on_other_data_says_what_changed_and_what_the_position_now_means(tmp_path, caplog):
+    """The training data are recorded with the step; a run continued on other data (another file, or a mix with
+    other weights) says, in one warning, what it was trained on, what it reads now and that the saved position
+    continues in the new data. Continued on the same data: nothing said."""
+    docs = Path(__file__).resolve().parents[1] / "fixtures" / "short_documents.txt"
+    other = tmp_path / "other.txt"
+    other.write_text(docs.read_text()[::-1])
+    args = ["--training.local_batch_size", "8", "--training.steps", "4", "--training.dataset_path", str(docs), *CKPT]
+    train(args + ["--training.stop_at_step", "2"], tmp_path)
+    train(args + ["--training.stop_at_step", "3"], tmp_path)
+    assert "[training] data" not in caplog.text
+    train(args + ["--training.dataset_path", str(other)], tmp_path)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("[training] data:"))
+    assert (f"step-3 was trained on {docs} [train]; this run reads {other} [train]: the saved data position (3"
+            " steps read) continues in these data as if they were the same") in line, line
+    assert "exclude_from_loading" in line
 
 
 def test_the_dry_run_says_how_checkpoints_are_saved():

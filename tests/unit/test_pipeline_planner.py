@@ -501,6 +501,89 @@ def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
         load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(other)])
 
 
+def _cost_file(identity: dict, **changes) -> dict:
+    """A well-formed cost file for ``identity`` with ``changes`` (None: the entry removed) applied."""
+    fit = {k: {"pre_s": 0.001, "post_s": 0.002, "per_unit_s": 1e-6, "overhead_s": 0.0} for k in ("F", "B")}
+    data = {"version": 1, "job": identity, "measured": {"counts": [3, 3], "transfer_s": 1e-4}, "fit": fit}
+    for path, value in changes.items():
+        *parents, last = path.split("__")
+        node = data
+        for name in parents:
+            node = node[name]
+        if value is None:
+            del node[last]
+        else:
+            node[last] = value
+    return data
+
+
+BAD_COST_FILES = {  # the file's content -> the words of its one line
+    "a list": (lambda d: [d], r"is not a pipeline cost file written by a timed run \(a JSON array"),
+    "nested 100,000 deep": (lambda d: "[" * 100_000 + "]" * 100_000, r"nested 100000 deep; at most 64"),
+    "a kind that does not exist": (lambda d: _cost_file(d, fit__X={}), r"fit has an action kind 'X' \(known: F, B"),
+    "pre_s missing": (lambda d: _cost_file(d, fit__F__pre_s=None), r"has no 'fit.F.pre_s'"),
+    "a string for a number": (lambda d: _cost_file(d, fit__B__per_unit_s="1"),
+                              r"fit.B.per_unit_s = '1': expected int or float"),
+    "a negative cost": (lambda d: _cost_file(d, fit__F__post_s=-1.0), r"fit.F.post_s = -1.0: expected seconds from 0"),
+    "a huge cost": (lambda d: _cost_file(d, fit__F__overhead_s=1e308), r"fit.F.overhead_s = 1e\+308: expected seconds"),
+    "NaN": (lambda d: json.dumps(_cost_file(d)).replace('"per_unit_s": 1e-06', '"per_unit_s": NaN', 1),
+            r"fit.F.per_unit_s = nan: must be a finite number"),
+    "all costs zero": (lambda d: _cost_file(d, fit__F={"pre_s": 0, "post_s": 0, "per_unit_s": 0, "overhead_s": 0},
+                                            fit__B={"pre_s": 0, "post_s": 0, "per_unit_s": 0, "overhead_s": 0}),
+                       r"fit: every cost is 0 \(nothing to plan from\)"),
+    "measured a list": (lambda d: _cost_file(d, measured=[1]), r"measured = \[1\]: expected dict"),
+    "negative layer counts": (lambda d: _cost_file(d, measured__counts=[-3, 9]),
+                              r"measured.counts = \[-3, 9\]: expected the blocks per stage"),
+    "an infinite transfer": (lambda d: json.dumps(_cost_file(d, measured__transfer_s=7)).replace(
+        '"transfer_s": 7', '"transfer_s": Infinity'), r"measured.transfer_s = inf: must be a finite number"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_COST_FILES))
+def test_a_malformed_cost_file_is_one_line_naming_the_entry(case, tmp_path):
+    from trainer.plan import cost_identity
+
+    plan = load_plan(PP2_ZBV)
+    identity = cost_identity(plan.config, plan.model_args.n_layers, 1, 1)
+    content, words = BAD_COST_FILES[case]
+    made = content(identity)
+    path = tmp_path / "costs.json"
+    path.write_text(made if isinstance(made, str) else json.dumps(made))
+    with pytest.raises(ConfigError, match=r"^\[parallelism\] pipeline_parallel_cost_file: .*costs.json") as e:
+        load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(path)]).pipeline_costs
+    assert re.search(words, str(e.value)) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_well_formed_cost_file_of_these_cases_plans():
+    """The cases above differ from this file by one entry each."""
+    from trainer.plan import cost_identity
+
+    plan = load_plan(PP2_ZBV)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "costs.json"
+        path.write_text(json.dumps(_cost_file(cost_identity(plan.config, plan.model_args.n_layers, 1, 1))))
+        costs = load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(path)]).pipeline_costs
+        assert costs.unit == "s" and costs.parts["F"][0] == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("key, value", [("device_tflops", "1e-300"), ("device_tflops", "1e300"),
+                                        ("link_gbytes_per_second", "1e-300")])
+def test_a_device_speed_that_would_overflow_the_pricing_is_one_line(key, value):
+    with pytest.raises(ConfigError, match=rf"\[parallelism\] pipeline_parallel_{key}: got .*, expected a number >="):
+        load_plan(PP2_ZBV + [f"--parallelism.pipeline_parallel_{key}", value])
+
+
+def test_given_split_points_over_the_memory_limit_are_said(caplog):
+    load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_memory_limit_gib", "0.001",
+                         "--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5"],
+              check_memory=False)
+    assert re.search(r"pipeline_parallel_memory_limit_gib = 0.001: the split .* puts .* GiB on pp rank \d .*above"
+                     r" the limit", caplog.text), caplog.text
+
+
 def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     """The calibration of a timed step (actions made from known per-stage seconds) writes the cost file; a
     dry run with it predicts in seconds, and the measured split's step equals the replay of those seconds."""

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.checkpoint.manifest import barrier, hash_share, merge_shares, rank
-from trainer.checkpoint.resume import (ATTENTION, GlobalBatch, check_attention, check_global_batch, check_intact,
-                                       check_model_tensors, check_tokenizer, choose, complete_steps, digest)
+from trainer.checkpoint.resume import (ATTENTION, GlobalBatch, check_attention, check_data, check_global_batch,
+                                       check_intact, check_model_tensors, check_tokenizer, choose, complete_steps,
+                                       data_tensors, digest)
 from trainer.checkpoint.torch_dcp import (dcp, dcp_errors, first_failure, optim_options, pinned_stager,
                                          stager_keeps_buffers)
 from trainer.config import schema
@@ -62,21 +63,23 @@ class Checkpointer:
 
     def __init__(self, checkpoint: schema.Checkpoint, *, dump_folder: str, chunks, optimizers, loader, spec, model_args,
                  pp_rank: int = 0, pp: int = 1, hf_writer: bool = True, batch: "GlobalBatch | None" = None,
-                 tokenizer=None, attention: str = "", save_group=None, model_context: int | None = None):
+                 tokenizer=None, attention: str = "", save_group=None, model_context: int | None = None,
+                 data: str = ""):
         """``checkpoint`` is the ``[checkpoint]`` section. ``pp_rank``/``pp``/``hf_writer`` place this
         rank's file of a Hugging Face export (one writer per pipeline rank). ``batch`` is this run's global
         batch, saved with the step and compared on resume; ``tokenizer`` the tokenizer (its identity likewise; its
         files go into the Hugging Face export); ``attention`` the ``[model] attn_mask_type``, saved and compared
         on resume. ``save_group`` is the process group of asynchronous saves (``build_save_group``; None in one
         process). ``model_context``: the model's own context, kept in the export's config.json
-        (``trainer.hf.model_context``)."""
+        (``trainer.hf.model_context``). ``data``: what the training data are (``data_identity``), saved and
+        compared on resume."""
         self.cfg = checkpoint
         self.folder = Path(dump_folder) / checkpoint.folder
         self.chunks, self.optimizers, self.loader = list(chunks), optimizers, loader
         self.spec, self.args, self.model_context = spec, model_args, model_context
         self.aliases = spec.tied_aliases(model_args)
         self.pp_rank, self.pp, self.hf_writer = pp_rank, pp, hf_writer
-        self.batch = batch
+        self.batch, self.data = batch, data
         self.tokenizer = tokenizer.identity if tokenizer is not None else ""
         self.tokenizer_files = tokenizer
         self.attention = attention
@@ -126,6 +129,8 @@ class Checkpointer:
             state["train_state"]["global_batch"] = torch.tensor(self.batch.sequences)
         if self.tokenizer:
             state["train_state"]["tokenizer"] = torch.tensor(digest(self.tokenizer))
+        if self.data:
+            state["train_state"].update(data_tensors(self.data))
         if self.attention:
             state["train_state"]["attention"] = torch.tensor(ATTENTION.index(self.attention))
         state["rng"] = self._rng_state()
@@ -368,6 +373,8 @@ class Checkpointer:
             check_tokenizer(path, int(state["train_state"]["tokenizer"]), self.tokenizer)
         if step is not None and self.attention and "train_state" in state:
             check_attention(self.attention, path, state["train_state"])
+        if self.data and "dataloader" in state and "train_state" in state:
+            check_data(self.data, path, state["train_state"], resumed)
         # The LR schedule continues from the step the run continues from (0 when train_state is
         # excluded: both restart), so the schedule and the step counter always agree.
         self.optimizers.set_schedule_position(resumed)

@@ -8,6 +8,8 @@ import logging
 import re
 from pathlib import Path
 
+import torch
+
 from trainer.checkpoint.manifest import barrier, find_damage, rank
 from trainer.checkpoint.torch_dcp import dcp
 from trainer.config import schema
@@ -113,6 +115,10 @@ def check_model_tensors(path: Path, saved: set[str], model: set[str], exclude: l
         if any(k == prefix or k.startswith(prefix + ".") for k in model):
             raise UserError(f"[checkpoint] exclude_from_loading: 'model.{prefix}' names tensors this model has;"
                             " only tensors the model lacks can be left behind (exclude 'model' to load no weights)")
+    for prefix in left:
+        if not any(k == prefix or k.startswith(prefix + ".") for k in saved):
+            logger.warning("[checkpoint] exclude_from_loading: 'model.%s' names no tensor of %s (a typo, or the"
+                           " tensors are already gone); nothing is left behind for it", prefix, path)
     extra = sorted(saved - model)
     dropped = [k for k in extra if any(k == e or k.startswith(e + ".") for e in left)]
     refused = [k for k in extra if k not in dropped]
@@ -160,6 +166,27 @@ def check_attention(attention: str, path: Path, train_state: dict) -> None:
     logger.warning("[model] attn_mask_type: %s was trained %s; this run continues with %s attention, as configured"
                    " (set attn_mask_type = %r to continue as it was trained)", path, before, attention,
                    saved or "causal")
+
+
+DATA_BYTES = 256  # the saved description of the training data, padded or cut to this many bytes
+
+
+def data_tensors(data: str) -> dict:
+    """The train state's record of the training data: a digest (compared) and the description (said)."""
+    raw = data.encode()[:DATA_BYTES].ljust(DATA_BYTES, b"\0")
+    return {"data": torch.tensor(digest(data)), "data_text": torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+
+
+def check_data(data: str, path: Path, train_state: dict, resumed: int) -> None:
+    """A run that continues from a checkpoint trained on other data says so in one line: the saved position is
+    applied to this run's data (as the loader counts it), which is not where the old data were left."""
+    if "data" not in train_state or int(train_state["data"]) == digest(data):
+        return  # saved before the data were recorded, or the same data
+    saved = bytes(train_state["data_text"].tolist()).rstrip(b"\0").decode(errors="replace") if (
+        "data_text" in train_state) else "other data"
+    logger.warning("[training] data: %s was trained on %s; this run reads %s: the saved data position (%d steps"
+                   " read) continues in these data as if they were the same; add 'dataloader' to [checkpoint]"
+                   " exclude_from_loading to read them from their start", path, saved, data, resumed)
 
 
 def digest(text: str) -> int:

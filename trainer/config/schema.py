@@ -64,6 +64,7 @@ MAX_COUNT = 10**9  # steps, intervals, frequencies
 MAX_BATCH = 2**24  # sequences in a batch (a global batch of 2^24 windows is still indexable in memory)
 Positive = Range(gt=0)
 NonNegative = Range(ge=0)
+Rate = Range(ge=1e-3, le=1e7, also=(0,))  # a device's speed: 0 (not given) or a real one (the pricing divides by it)
 Count = Range(gt=0, le=MAX_COUNT)
 Degree = Range(ge=1, le=2**20)
 Timeout = Range(gt=0, le=7 * 24 * 3600)  # a week; larger values overflow the process group's int timers
@@ -225,17 +226,17 @@ class Parallelism:
     pipeline_parallel_cost_file: str = ""
     """Measured action durations (pipeline_costs.json, written by a run with [profiling] pipeline_timeline_steps) that
     the split planner and the dry run use instead of the FLOP model."""
-    pipeline_parallel_device_tflops: Annotated[float, NonNegative] = 0.0
+    pipeline_parallel_device_tflops: Annotated[float, Rate] = 0.0
     """Achieved TFLOP/s of one device, to predict the pipeline step in seconds and weigh transfers; 0 = relative units,
     transfers not modelled."""
-    pipeline_parallel_device_memory_gbytes_per_second: Annotated[float, NonNegative] = 0.0
+    pipeline_parallel_device_memory_gbytes_per_second: Annotated[float, Rate] = 0.0
     """Achieved memory bandwidth of one device in GB/s (with pipeline_parallel_device_tflops): the planner also prices
     the loss's passes over the logits and the embedding's dense gradient by their bytes; 0 = FLOPs only."""
-    pipeline_parallel_link_gbytes_per_second: Annotated[float, Positive] = 25.0
+    pipeline_parallel_link_gbytes_per_second: Annotated[float, Range(ge=1e-6, le=1e7)] = 25.0
     """Bandwidth between two pipeline ranks in GB/s, for the planner's transfer times."""
-    pipeline_parallel_link_latency_us: Annotated[float, NonNegative] = 20.0
+    pipeline_parallel_link_latency_us: Annotated[float, Range(ge=0, le=1e9)] = 20.0
     """Latency of one transfer between pipeline ranks in microseconds, for the planner."""
-    pipeline_parallel_memory_limit_gib: Annotated[float, NonNegative] = 0.0
+    pipeline_parallel_memory_limit_gib: Annotated[float, Range(ge=0, le=1e9)] = 0.0
     """Memory per device the planner's split must fit (state + activations of each rank, + the loss's gradient on the
     last stage's: the dry run's memory table), GiB; 0 = the device's memory
     at launch, no limit in a dry run."""

@@ -313,6 +313,17 @@ def mix_entries(training: Training) -> list[MixEntry]:
     return out
 
 
+def data_identity(training: Training) -> str:
+    """What the training data are, as a checkpoint records them: the datasets, their weights and splits."""
+    d = training.dataloader
+    config = f" ({d.subset})" if d.subset else ""
+    if training.dataset_mix:
+        return "the mix " + ", ".join(f"{e.name} x{e.weight:g} [{e.split}]" for e in mix_entries(training))
+    if training.dataset_path:
+        return f"{training.dataset_path} [{d.split}]"
+    return f"{training.dataset}{config} [{d.split}]"
+
+
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 

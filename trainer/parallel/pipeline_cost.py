@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UserError
+from trainer.jsonfile import entry, read_json
 from trainer.models.registry import ModelLayout, model_blocks
 
 KINDS = ("F", "B", "I", "W")
@@ -310,19 +311,46 @@ IDENTITY_KEYS = {"model": "[model] name / flavor / overrides",
 
 
 def read_cost_file(path: str, identity: dict) -> dict:
-    """The measured file's content, refused with one line naming the key when it does not describe this job."""
+    """The measured file's content, checked entry by entry; refused with one line naming the key and the entry
+    when it is not a cost file or does not describe this job."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
-        fit, job, measured = data["fit"], data["job"], data["measured"]
-    except FileNotFoundError:
-        raise ConfigError(f"{COST_FILE_KEY}: {p.resolve()} does not exist") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{COST_FILE_KEY}: {p.resolve()} is not a pipeline cost file written by a timed run"
-                          f" ({type(e).__name__}: {e})") from None
+        data = read_json(p, COST_FILE_KEY, what="pipeline cost file written by a timed run")
+        fit, job, measured = (_entry(data, name, dict, p, name) for name in ("fit", "job", "measured"))
+        _check_identity(job, identity, p)
+        for kind, f in fit.items():
+            if kind not in KINDS:
+                raise UserError(f"{COST_FILE_KEY}: {p} fit has an action kind {kind!r} (known: {', '.join(KINDS)})")
+            _entry(fit, kind, dict, p, f"fit.{kind}")
+            for name in ("pre_s", "post_s", "per_unit_s", "overhead_s"):
+                _entry(f, name, (int, float), p, f"fit.{kind}.{name}", seconds=True)
+        if not any(f[name] for f in fit.values() for name in ("pre_s", "post_s", "per_unit_s")):
+            raise UserError(f"{COST_FILE_KEY}: {p} fit: every cost is 0 (nothing to plan from); time the run again")
+        _entry(measured, "transfer_s", (int, float), p, "measured.transfer_s", required=False, seconds=True)
+        counts = _entry(measured, "counts", list, p, "measured.counts", required=False)
+        if counts is not None and not all(type(c) is int and 0 <= c <= MAX_BLOCKS for c in counts):
+            raise UserError(f"{COST_FILE_KEY}: {p} measured.counts = {counts!r}: expected the blocks per stage")
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+    return {"fit": fit, "measured": measured}
+
+
+def _check_identity(job: dict, identity: dict, path: Path) -> None:
     for name, sets in IDENTITY_KEYS.items():
         if job.get(name) != identity[name]:
-            raise ConfigError(f"{COST_FILE_KEY}: {p} was measured with {name} {job.get(name)!r}, this job has"
+            raise ConfigError(f"{COST_FILE_KEY}: {path} was measured with {name} {job.get(name)!r}, this job has"
                               f" {identity[name]!r} ({sets}); measure again with this job's settings")
-    return {"fit": fit, "measured": measured}
+
+
+MAX_BLOCKS = 100_000
+MAX_SECONDS = 1e6  # a cost of days per action is a broken file, and sums of such overflow
+
+
+def _entry(data: dict, name: str, types, path: Path, where: str, *, required: bool = True, seconds: bool = False):
+    """``data[name]`` of ``types`` (``where``: its place in the file, for the error); ``seconds``: a time, finite,
+    from 0 to MAX_SECONDS."""
+    value = entry(data, name, types, path, COST_FILE_KEY, required=required, where=where)
+    if seconds and value is not None and not 0 <= value <= MAX_SECONDS:
+        raise UserError(f"{COST_FILE_KEY}: {path} {where} = {value!r}: expected seconds from 0 to {MAX_SECONDS:g}")
+    return value
 
