@@ -135,7 +135,8 @@ def main() -> None:
     from trainer.config import load_config
     from trainer.measure_costs import measure
     from trainer.parallel.pipeline_cost import memory_bytes
-    from trainer.plan import build_job_plan, pipeline_costs
+    from trainer.plan import build_job_plan
+    from trainer.pricing import pipeline_costs
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     bytes_per_second = (copy_bytes_per_second(device) if args.memory_gbps == "copy"

@@ -171,7 +171,7 @@ def check_fits(plan, config, device, dtype) -> None:
     float32 logits and their gradient."""
     from trainer.activation_memory import part_activations
     from trainer.parallel.dims import ParallelDims
-    from trainer.plan import activation_sections, device_memory_bytes
+    from trainer.pricing import activation_sections, device_memory_bytes
 
     batch, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
     tokens = batch * seq
@@ -203,7 +203,8 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     from trainer.parallel.ac import apply_ac
     from trainer.parallel.pipeline_cost import write_cost_file
     from trainer.convert import cast_parameters_
-    from trainer.plan import build_job_plan, compute_dtype, cost_identity, degrees_product, pipeline_costs
+    from trainer.plan import build_job_plan, degrees_product
+    from trainer.pricing import compute_dtype, cost_identity, pipeline_costs
 
     p = config.parallelism
     for degree, key in ((p.tensor_parallel_degree, "tensor_parallel_degree"),

@@ -121,9 +121,10 @@ def inject_fault(name: str) -> None:
         if os.environ.get("RANK") == "1":
             if name == "smaller_device_on_rank1":
                 import trainer.plan
+                import trainer.pricing
 
-                real_memory = trainer.plan.device_memory_bytes
-                trainer.plan.device_memory_bytes = lambda: real_memory() // 2
+                real_memory = trainer.pricing.device_memory_bytes
+                trainer.plan.device_memory_bytes = trainer.pricing.device_memory_bytes = lambda: real_memory() // 2
             import dataclasses
 
             import trainer.parallel.pipeline_split as split

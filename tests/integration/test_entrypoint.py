@@ -200,6 +200,12 @@ def test_dry_run_compares_schedules_when_asked(tmp_path):
     assert "Schedules compared" not in launch(args).stdout  # only when asked: it plans the job once per schedule
 
 
+def _ctrl_c_default() -> None:
+    """In the child: SIGINT handled as in a terminal, even when this suite runs as a background job of a shell
+    without job control (which starts it with SIGINT ignored, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _free_port() -> int:
     import socket
 
@@ -217,7 +223,7 @@ def test_a_lone_node_says_it_is_waiting_for_the_others(signum, launch_tmp):
     port = _free_port()
     env = {**ENV, "NNODES": "2", "NGPU": "1", "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": "lone", **launch_tmp.env}
     proc = subprocess.Popen(["./run_train.sh", "--training.steps", "1"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=_ctrl_c_default)
     lines = _read_until(proc, lambda line: line.startswith("launcher: waiting for all 2 nodes"), seconds=15)
     if signum == signal.SIGINT:  # Ctrl-C reaches the terminal's whole process group
         os.killpg(proc.pid, signum)
@@ -258,7 +264,7 @@ def test_ctrl_c_reaches_a_launcher_whose_rendezvous_waits_in_the_store():
     does not run until the call returns (60 s here; the launcher kept waiting 65 s once). The launcher's main
     thread waits in Python while the join runs in a thread, so the interrupt is taken at once."""
     proc = subprocess.Popen([sys.executable, "-c", BLOCKED_JOIN], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=_ctrl_c_default)
     lines = _read_until(proc, lambda line: line.startswith("launcher: waiting for all 2 nodes"), seconds=30)
     start = time.monotonic()
     proc.send_signal(signal.SIGINT)

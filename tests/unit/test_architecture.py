@@ -93,6 +93,7 @@ LAYERS = [
     ["trainer.models"],
     ["trainer.parallel", "trainer.hf", "trainer.hub"],
     ["trainer.data", "trainer.activation_memory"],
+    ["trainer.pricing"],
     ["trainer.plan"],
     ["trainer.dry_run", "trainer.model_parts", "trainer.checkpoint", "trainer.metrics", "trainer.optim",
      "trainer.profiling"],

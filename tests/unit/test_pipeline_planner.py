@@ -16,7 +16,8 @@ from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, f
 from trainer.parallel import pipeline_planner as planner
 from trainer.parallel.pipeline_planner import Simulator, search_splits
 from trainer.parallel.schedule_sim import program_for
-from trainer.plan import JobPlan, split_memory
+from trainer.plan import JobPlan
+from trainer.pricing import split_memory
 
 PP2_ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 
@@ -493,7 +494,7 @@ def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
         load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(tmp_path / "missing.json")])
     other = tmp_path / "other.json"
     plan = load_plan(PP2_ZBV)
-    from trainer.plan import cost_identity
+    from trainer.pricing import cost_identity
 
     identity = cost_identity(plan.config, plan.model_args.n_layers, 1, 1) | {"seq_len": 512}
     other.write_text(json.dumps({"version": 1, "job": identity, "measured": {}, "fit": {}}))
@@ -541,7 +542,7 @@ BAD_COST_FILES = {  # the file's content -> the words of its one line
 
 @pytest.mark.parametrize("case", list(BAD_COST_FILES))
 def test_a_malformed_cost_file_is_one_line_naming_the_entry(case, tmp_path):
-    from trainer.plan import cost_identity
+    from trainer.pricing import cost_identity
 
     plan = load_plan(PP2_ZBV)
     identity = cost_identity(plan.config, plan.model_args.n_layers, 1, 1)
@@ -556,7 +557,7 @@ def test_a_malformed_cost_file_is_one_line_naming_the_entry(case, tmp_path):
 
 def test_the_well_formed_cost_file_of_these_cases_plans():
     """The cases above differ from this file by one entry each."""
-    from trainer.plan import cost_identity
+    from trainer.pricing import cost_identity
 
     plan = load_plan(PP2_ZBV)
     import tempfile
