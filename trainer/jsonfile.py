@@ -55,8 +55,9 @@ def read_json(path: Path, key: str, *, expect: type = dict, what: str = "JSON fi
     except ValueError as e:  # JSONDecodeError, and an integer too long for Python's int parser
         raise UserError(f"{key}: {path} is not a {what} (malformed JSON: {e})") from None
     if not isinstance(data, expect):
-        raise UserError(f"{key}: {path} is not a {what} (a JSON {_kind(data)}, where a {_kind(expect())} is"
-                        " expected)")
+        wanted = _kind(expect())
+        raise UserError(f"{key}: {path} is not a {what} (a JSON {_kind(data)}, where"
+                        f" {'an' if wanted[0] in 'aeiou' else 'a'} {wanted} is expected)")
     return data
 
 

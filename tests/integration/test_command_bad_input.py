@@ -73,7 +73,7 @@ CASES = {
         r"from-hf HF_FOLDER: .*deep/config.json is not a model config \(nested 100000 deep; at most 64\)"),
     "config.json a list": (
         convert.run, lambda f: ["from-hf", variant(f, "list", edit_json("config.json", lambda d: [d])), str(f / "o2")],
-        r"config.json is not a model config \(a JSON array, where a object is expected\)"),
+        r"config.json is not a model config \(a JSON array, where an object is expected\)"),
     "config.json not UTF-8": (
         convert.run, lambda f: ["from-hf", variant(f, "latin", lambda d: (d / "config.json").write_bytes(b"\xff{}")),
                                 str(f / "o3")], r"config.json is not a model config \(not UTF-8 text"),
