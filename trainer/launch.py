@@ -113,8 +113,8 @@ def announce_rendezvous(args, first: float = 5.0, every: float = 15.0) -> None:
                 done.set()
 
         threading.Thread(target=joining, name="rendezvous-join", daemon=True).start()
-        while not done.wait(1.0):
-            pass
+        while not done.is_set():
+            done.wait(1.0)
         if "error" in joined:
             raise joined["error"]
         info = joined["info"]

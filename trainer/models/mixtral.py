@@ -2,8 +2,7 @@
 shared experts, no q/k norm, and the published layout (``block_sparse_moe.gate`` and one ``w1``/``w2``/``w3`` per
 expert)."""
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainer.models.decoder.hf import base_args, beyond, refuse_unless, require, rope_args
 from trainer.models.moe import moe_spec
@@ -43,20 +42,11 @@ def _why_not(a: MoEArgs) -> str | None:
 class MixtralHF(MoEHF):
     model_type: str = "mixtral"
     architecture: str = "MixtralForCausalLM"
+    moe_module: str = "block_sparse_moe"
+    expert_names: dict = field(default_factory=lambda: dict(_EXPERTS))
 
     def __post_init__(self):
         self.from_config, self.write_config, self.why_not = mixtral_args, _write, _why_not
-
-    def hf_name(self, name: str) -> str:
-        m = re.fullmatch(r"layers\.(\d+)\.moe\.router\.gate\.weight", name)
-        return f"model.layers.{m.group(1)}.block_sparse_moe.gate.weight" if m else super().hf_name(name)
-
-    def names(self, name: str, args: MoEArgs) -> list[str]:
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-        if m and m.group(2) in _EXPERTS:
-            prefix = f"model.layers.{m.group(1)}.block_sparse_moe.experts"
-            return [f"{prefix}.{e}.{_EXPERTS[m.group(2)]}.weight" for e in range(args.n_experts)]
-        return [self.hf_name(name)]
 
 
 def _flavor(**kw) -> MoEArgs:

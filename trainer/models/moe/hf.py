@@ -8,7 +8,7 @@ class: a model with them is refused for export when the job is planned.
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainer.errors import UserError
 from trainer.models.decoder.hf import DecoderHF, base_args, beyond, refuse_unless, require, rope_args
@@ -70,18 +70,22 @@ class MoEHF(DecoderHF):
 
     model_type: str = "qwen3_moe"
     architecture: str = "Qwen3MoeForCausalLM"
+    moe_module: str = "mlp"
+    """The published name of a block's mixture of experts (``model.layers.N.<moe_module>``)."""
+    expert_names: dict = field(default_factory=lambda: dict(_EXPERTS))
+    """Our stacked expert weights -> the published name of each expert's tensor."""
 
     def __post_init__(self):
         self.from_config, self.write_config, self.why_not = from_config, hf_config, unsupported
 
     def hf_name(self, name: str) -> str:
         m = re.fullmatch(r"layers\.(\d+)\.moe\.router\.gate\.weight", name)
-        return f"model.layers.{m.group(1)}.mlp.gate.weight" if m else super().hf_name(name)
+        return f"model.layers.{m.group(1)}.{self.moe_module}.gate.weight" if m else super().hf_name(name)
 
     def names(self, name: str, args: MoEArgs) -> list[str]:
         """The HF tensors one of ours becomes: one per expert for the stacked expert weights."""
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-        if m and m.group(2) in _EXPERTS:
-            prefix, kind = f"model.layers.{m.group(1)}.mlp.experts", _EXPERTS[m.group(2)]
+        if m and m.group(2) in self.expert_names:
+            prefix, kind = f"model.layers.{m.group(1)}.{self.moe_module}.experts", self.expert_names[m.group(2)]
             return [f"{prefix}.{e}.{kind}.weight" for e in range(args.n_experts)]
         return [self.hf_name(name)]
