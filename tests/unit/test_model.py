@@ -101,3 +101,28 @@ def test_tied_embeddings_share_one_weight():
     assert tied.output.weight is tied.tok_embeddings.weight
     untied = sum(p.numel() for p in build().parameters())
     assert sum(p.numel() for p in tied.parameters()) == untied - ARGS.vocab_size * ARGS.dim
+
+
+@pytest.mark.parametrize("rope", [
+    # gpt-oss: the attention factor from the factor, the blend's bounds not rounded
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+    # DeepSeek-V3: the attention factor a ratio of two mscales, the bounds rounded outwards
+    {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0,
+     "original_max_position_embeddings": 4096, "rope_theta": 10000.0},
+], ids=["gpt-oss", "deepseek-v3"])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from trainer.models.decoder.args import DecoderArgs
+    from trainer.models.decoder.hf import rope_args
+    from trainer.models.decoder.model import rope_attention_factor, rope_frequencies
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=131072,
+                         rope_parameters=dict(rope))
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    args = DecoderArgs(dim=256, n_heads=4, **rope_args(config.to_dict()))
+    torch.testing.assert_close(rope_frequencies(args), expected, rtol=1e-6, atol=0)
+    assert rope_attention_factor(args) == pytest.approx(factor, rel=1e-12)
+    assert factor != 1.0

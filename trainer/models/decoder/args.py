@@ -11,7 +11,7 @@ from typing import Literal
 
 from trainer.errors import ConfigError
 
-RopeScaling = Literal["none", "llama3", "linear", "dynamic"]
+RopeScaling = Literal["none", "llama3", "linear", "dynamic", "yarn"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,11 +41,18 @@ class DecoderArgs:
     """With a sliding window: 0 = every layer slides; N = every N-th layer (N-1, 2N-1, ...) attends in full (Gemma 2:
     2, Gemma 3: 6)."""
     # -- rotary embeddings ----------------------------------------------------------------------------------
-    rope_scaling: RopeScaling = "none"  # Llama 3.1's "llama3", "linear" (position interpolation), "dynamic" (NTK)
+    rope_scaling: RopeScaling = "none"
+    """Llama 3.1's "llama3", "linear" (position interpolation), "dynamic" (NTK), "yarn" (DeepSeek-V3, gpt-oss)."""
     rope_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192  # the context the scaled model was first trained at
+    # yarn: frequencies blend from kept (beyond beta_fast rotations over the original context) to divided by the
+    # factor (below beta_slow); cos and sin are multiplied by the attention factor (None: 0.1 ln(factor) + 1).
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float | None = None
+    rope_truncate: bool = True  # the blend's bounds rounded outwards to whole dimensions (gpt-oss: false)
     rope_local_theta: float | None = None  # sliding-window layers' rotary base, unscaled (Gemma 3: 10,000)
     # -- norms, feed-forward, embeddings, output ------------------------------------------------------------
     norm_placement: Literal["pre", "post", "sandwich"] = "pre"
@@ -60,6 +67,11 @@ class DecoderArgs:
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions of each head that rotary embeddings rotate (all of them here)."""
+        return self.head_dim
 
     @property
     def num_kv_heads(self) -> int:
@@ -97,7 +109,7 @@ def validate_decoder_args(a: DecoderArgs) -> None:
 
     for key, choices in (("qk_norm", ("none", "head", "projection")), ("norm_placement", ("pre", "post", "sandwich")),
                          ("activation", ("silu", "gelu_tanh")), ("rope_scaling", ("none", "llama3", "linear",
-                                                                                   "dynamic"))):
+                                                                                   "dynamic", "yarn"))):
         if getattr(a, key) not in choices:
             raise bad(key, f"must be one of {', '.join(repr(c) for c in choices)}")
     for key in ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of"):
@@ -117,11 +129,12 @@ def validate_decoder_args(a: DecoderArgs) -> None:
     if a.n_layers > MAX_LAYERS:
         raise bad("n_layers", f"must be <= {MAX_LAYERS} (the largest published dense models have under 200)")
     for key in ("ffn_dim_multiplier", "norm_eps", "rope_theta", "attn_scale", "attn_softcap", "rope_factor",
-                "rope_low_freq_factor", "rope_high_freq_factor", "rope_local_theta", "norm_offset", "embedding_scale",
+                "rope_low_freq_factor", "rope_high_freq_factor", "rope_local_theta", "rope_beta_fast", "rope_beta_slow",
+                "rope_attention_factor", "norm_offset", "embedding_scale",
                 "residual_scale", "logit_scale", "final_softcap"):
         if getattr(a, key) is not None and not math.isfinite(getattr(a, key)):
             raise bad(key, "must be a finite number")
-    for key in ("norm_eps", "rope_theta", "attn_scale", "rope_factor", "rope_local_theta",
+    for key in ("norm_eps", "rope_theta", "attn_scale", "rope_factor", "rope_local_theta", "rope_attention_factor",
                 "embedding_scale", "residual_scale", "logit_scale", "ffn_dim_multiplier"):
         if getattr(a, key) is not None and not getattr(a, key) > 0:
             raise bad(key, "must be > 0")
@@ -142,6 +155,8 @@ def validate_decoder_args(a: DecoderArgs) -> None:
         raise bad("global_every", "must be >= 0")
     if a.rope_scaling == "llama3" and not a.rope_high_freq_factor > a.rope_low_freq_factor:
         raise bad("rope_high_freq_factor", f"must be > rope_low_freq_factor={a.rope_low_freq_factor} (llama3 scaling)")
+    if a.rope_scaling == "yarn" and not a.rope_beta_fast > a.rope_beta_slow > 0:
+        raise bad("rope_beta_fast", f"must be > rope_beta_slow={a.rope_beta_slow} > 0 (yarn scaling)")
     if a.attn_backend == "varlen" and (a.sliding_window or a.attn_softcap):
         raise ConfigError('[model] attn_backend = "varlen": this model has '
                           + ("a sliding window" if a.sliding_window else "attention logit soft-capping")

@@ -8,6 +8,7 @@ and their norms' weights) is permuted on the way out and back on the way in, so 
 the same function.
 """
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,6 +113,12 @@ def rope_config(args: DecoderArgs) -> dict:
                    "original_max_position_embeddings": args.rope_original_max_seq_len}
     elif args.rope_scaling in ("linear", "dynamic"):
         scaling = {"rope_type": args.rope_scaling, "factor": args.rope_factor}
+    elif args.rope_scaling == "yarn":
+        scaling = {"rope_type": "yarn", "factor": args.rope_factor, "beta_fast": args.rope_beta_fast,
+                   "beta_slow": args.rope_beta_slow, "truncate": args.rope_truncate,
+                   "original_max_position_embeddings": args.rope_original_max_seq_len}
+        if args.rope_attention_factor is not None:
+            scaling["attention_factor"] = args.rope_attention_factor
     return {"rope_theta": args.rope_theta, "rope_scaling": scaling}
 
 
@@ -159,9 +166,22 @@ def rope_args(config: dict, *, local_default: float | None = None) -> dict:
         out.update(rope_scaling=kind, rope_factor=float(full["factor"]),
                    rope_original_max_seq_len=int(full.get("original_max_position_embeddings",
                                                           config.get("max_position_embeddings", 8192))))
+    elif kind == "yarn":
+        original = int(full.get("original_max_position_embeddings", config.get("max_position_embeddings", 4096)))
+        factor = full.get("factor")
+        factor = float(factor) if factor is not None else config.get("max_position_embeddings", original) / original
+        mscale, mscale_all = full.get("mscale"), full.get("mscale_all_dim")
+        attention = full.get("attention_factor")
+        if attention is None and mscale and mscale_all and factor > 1:  # DeepSeek's ratio of two mscales
+            attention = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all * math.log(factor) + 1)
+        out.update(rope_scaling="yarn", rope_factor=factor, rope_original_max_seq_len=original,
+                   rope_beta_fast=float(full.get("beta_fast") or 32.0),
+                   rope_beta_slow=float(full.get("beta_slow") or 1.0),
+                   rope_attention_factor=float(attention) if attention is not None else None,
+                   rope_truncate=bool(full.get("truncate", True)))
     elif kind != "default":
         raise UserError(f"config.json {key} = {full!r}: rope_type {kind!r} is not supported (computed here:"
-                        " default, llama3, linear, dynamic)")
+                        " default, llama3, linear, dynamic, yarn)")
     if local is not None:
         if local.get("rope_type", "default") != "default":
             raise UserError(f"config.json {key} = {config.get(key)!r}: the sliding layers' rope_type"

@@ -26,9 +26,9 @@ TIED_WEIGHTS = {"output.weight": "tok_embeddings.weight"}
 
 
 def rope_frequencies(args: DecoderArgs, *, local: bool = False, device=None) -> torch.Tensor:
-    """(head_dim / 2,) float32 angular frequencies of the rotary embedding: ``rope_theta`` with ``rope_scaling``,
+    """(rope_dim / 2,) float32 angular frequencies of the rotary embedding: ``rope_theta`` with ``rope_scaling``,
     or, for a sliding-window layer with its own base (``local``), ``rope_local_theta`` unscaled."""
-    dim = args.head_dim
+    dim = args.rope_dim
     theta = args.rope_local_theta if local else args.rope_theta
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     if local or args.rope_scaling in ("none", "dynamic"):  # dynamic: plain up to the original context (validated)
@@ -36,24 +36,47 @@ def rope_frequencies(args: DecoderArgs, *, local: bool = False, device=None) -> 
     factor = args.rope_factor
     if args.rope_scaling == "linear":  # position interpolation: positions / factor
         return freqs / factor
+    original = args.rope_original_max_seq_len
+    if args.rope_scaling == "yarn":
+        # The pair index at which a frequency turns ``rotations`` times over the original context.
+        def pair(rotations: float) -> float:
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = pair(args.rope_beta_fast), pair(args.rope_beta_slow)
+        if args.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low)
+                / (high - low if high != low else 0.001)).clamp(0, 1)
+        return freqs / factor * ramp + freqs * (1 - ramp)
     # llama3: wavelengths longer than the original context / low_freq_factor are stretched by factor, shorter
     # than it / high_freq_factor kept, and those between interpolated smoothly.
     wavelength = 2 * math.pi / freqs
     low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
-    original = args.rope_original_max_seq_len
     scaled = torch.where(wavelength > original / low, freqs / factor, freqs)
     smooth = (original / wavelength - low) / (high - low)
     between = ~(wavelength < original / high) & ~(wavelength > original / low)
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
+def rope_attention_factor(args: DecoderArgs) -> float:
+    """What yarn multiplies cos and sin by (1 for every other kind)."""
+    if args.rope_scaling != "yarn":
+        return 1.0
+    if args.rope_attention_factor is not None:
+        return args.rope_attention_factor
+    return 0.1 * math.log(args.rope_factor) + 1.0 if args.rope_factor > 1 else 1.0
+
+
 def rope_table(args: DecoderArgs, *, local: bool = False, device=None) -> torch.Tensor:
-    """(max_seq_len, head_dim // 2, 2) table of (cos, sin) for each position and frequency."""
+    """(max_seq_len, rope_dim // 2, 2) table of (cos, sin) for each position and frequency."""
     if torch.empty(0, device=device).is_meta:  # shape only (meta arange would import torch._dynamo)
-        return torch.empty(args.max_seq_len, args.head_dim // 2, 2, device=device)
+        return torch.empty(args.max_seq_len, args.rope_dim // 2, 2, device=device)
     freqs = rope_frequencies(args, local=local, device=device)
     angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), freqs)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    factor = 1.0 if local else rope_attention_factor(args)
+    return table * factor if factor != 1.0 else table
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
