@@ -4,10 +4,13 @@ wrongly shaped file is one ``UserError`` naming the key (or argument) that led t
 the entry, never a traceback."""
 
 import json
+import logging
 import math
 from pathlib import Path
 
 from trainer.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 MAX_DEPTH = 64  # far deeper than any real config; a hostile file nested 100,000 deep is refused, not recursed into
 MAX_BYTES = 1 << 30  # index and manifest files are kilobytes to megabytes
@@ -82,4 +85,29 @@ def entry(data: dict, name: str, types: type | tuple, path: Path, key: str, *, r
         raise UserError(f"{key}: {path} {where} = {value!r}: expected {wanted}")
     if finite and isinstance(value, float) and not math.isfinite(value):
         raise UserError(f"{key}: {path} {where} = {value!r}: must be a finite number")
+    return value
+
+
+def say_unknown(data: dict, known, path: Path, key: str, *, where: str = "") -> None:
+    """One warning naming the entries of ``data`` (at ``where`` in the file) that the reader does not know:
+    read by a newer version of the project, or misspelt, they are not used."""
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        at = f" in {where}" if where else ""
+        logger.warning("%s: %s has entries%s that are not read: %s", key, path, at, ", ".join(map(repr, unknown)))
+
+
+def count(data: dict, name: str, path: Path, key: str, *, where: str = "", most: int = 1 << 62) -> int:
+    """``data[name]``, a whole number in [0, most]."""
+    value = entry(data, name, int, path, key, where=where or name)
+    if not 0 <= value <= most:
+        raise UserError(f"{key}: {path} {where or name} = {value!r}: must be between 0 and {most:,}")
+    return value
+
+
+def file_name(data: dict, name: str, path: Path, key: str, *, where: str = "") -> str:
+    """``data[name]``, the plain name of a file beside ``path`` (no folder, no parent, no NUL byte)."""
+    value = entry(data, name, str, path, key, where=where or name)
+    if not value or "/" in value or "\\" in value or "\0" in value or value in (".", ".."):
+        raise UserError(f"{key}: {path} {where or name} = {value!r}: must be the name of a file in its folder")
     return value

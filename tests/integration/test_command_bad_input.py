@@ -11,7 +11,7 @@ import transformers
 
 from trainer import convert
 from trainer import generate as gen
-from trainer import measure_costs
+from trainer import measure_costs, prepare
 from trainer.data.tokenizer import Tokenizer
 
 VOCAB = 512
@@ -51,6 +51,47 @@ def edit_json(file: str, edit):
 
 def deep(n: int) -> str:
     return "[" * n + "]" * n
+
+
+def checkpoint_variant(folders, name: str, manifest) -> str:
+    """A copy of the seed checkpoint whose checksums.json is ``manifest`` (text, or an edit of the real one)."""
+    folder = folders / name
+    if not folder.exists():
+        shutil.copytree(folders / "seed" / "checkpoint", folder)
+        from trainer.checkpoint import hash_share, merge_shares
+
+        hash_share(folder)
+        merge_shares(folder)
+        real = json.loads((folder / "checksums.json").read_text())
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest(real))
+        (folder / "checksums.json").write_text(text)
+    return str(folder)
+
+
+def to_hf(f, name: str, manifest) -> list[str]:
+    return ["to-hf", checkpoint_variant(f, name, manifest), str(f / "o0"), "--job.config_file",
+            str(f / "seed" / "model.toml")]
+
+
+def shards_variant(folders, name: str, edit) -> str:
+    """A copy of a small prepared dataset whose index.json is ``edit`` (text, or an edit of the real one)."""
+    from trainer.data.shards import prepare_shards
+    from trainer.data.tokenizer import build_tokenizer
+    from trainer.config.schema import Model
+
+    good = folders / "shards"
+    if not good.exists():
+        prepare_shards(iter(["one document", "and another"] * 8), build_tokenizer(Model(), 2048), good, source="t")
+    folder = folders / name
+    if not folder.exists():
+        shutil.copytree(good, folder)
+        real = json.loads((folder / "index.json").read_text())
+        (folder / "index.json").write_text(edit if isinstance(edit, str) else json.dumps(edit(real)))
+    return str(folder)
+
+
+def shard(**change):
+    return lambda d: {**d, "shards": [{**d["shards"][0], **change}]}
 
 
 def bigger_tokenizer(folder):
@@ -117,6 +158,49 @@ CASES = {
     "generate --compile.enable": (
         gen.run, lambda f: [str(f / "seed" / "checkpoint"), "--prompt", "x", "--compile.enable"],
         r"--compile.enable: generate runs the model eagerly"),
+    # a checkpoint's checksums.json (read before a checkpoint is loaded: to-hf, generate, resume, initial_load_path)
+    "checksums.json nested 100,000 deep": (
+        convert.run, lambda f: to_hf(f, "sum-deep", deep(100_000)),
+        r"is damaged: its checksums.json is unreadable \(is not a checksum manifest \(nested 100000 deep"),
+    "checksums.json a list": (convert.run, lambda f: to_hf(f, "sum-list", "[]"),
+                              r"checksums.json is unreadable \(is not a checksum manifest \(a JSON array"),
+    "checksums.json files a string": (convert.run, lambda f: to_hf(f, "sum-files", lambda d: {**d, "files": "x"}),
+                                      r"checksums.json is unreadable \(files = 'x': expected dict\)"),
+    "checksums.json an entry a number": (
+        convert.run, lambda f: to_hf(f, "sum-int", lambda d: {**d, "files": {".metadata": 5}}),
+        r"files\['.metadata'\] = 5: expected an object"),
+    "checksums.json bytes negative": (
+        convert.run, lambda f: to_hf(f, "sum-neg", lambda d: {**d, "files": {
+            n: {**v, "bytes": -1} for n, v in d["files"].items()}}), r"\.bytes = -1: must be between 0 and"),
+    "checksums.json a name outside the folder": (
+        convert.run, lambda f: to_hf(f, "sum-escape", lambda d: {**d, "files": {"../x": {"bytes": 1, "sha256": "0"}}}),
+        r"files\['../x'\] \(the name\) = '../x': must be the name of a file in its folder"),
+    "checksums.json another algorithm": (
+        convert.run, lambda f: to_hf(f, "sum-md5", lambda d: {**d, "algorithm": "md5"}),
+        r"algorithm = 'md5': only 'sha256' is written or checked"),
+    # a prepared dataset's index.json (prepare --verify; training reads it the same way, tests/unit/test_shards.py)
+    "index.json nested 100,000 deep": (prepare.run, lambda f: ["--verify", shards_variant(f, "ix-deep", deep(100_000))],
+                                       r"--verify: .*index.json is not a trainer.token_shards index \(nested 100000"),
+    "index.json a list": (prepare.run, lambda f: ["--verify", shards_variant(f, "ix-list", "[1]")],
+                          r"index.json is not a trainer.token_shards index \(a JSON array"),
+    "index.json a shard a number": (prepare.run, lambda f: ["--verify", shards_variant(
+        f, "ix-shard", lambda d: {**d, "shards": [5]})], r"index.json shards\[0\] = 5: expected an object"),
+    "index.json num_tokens a string": (prepare.run, lambda f: ["--verify", shards_variant(
+        f, "ix-str", shard(num_tokens="many"))], r"shards\[0\].num_tokens = 'many': expected int"),
+    "index.json num_tokens 10**30": (prepare.run, lambda f: ["--verify", shards_variant(
+        f, "ix-huge", shard(num_tokens=10**30))], r"shards\[0\].num_tokens = 10{30}: must be between 0 and"),
+    "index.json a NUL byte in a file name": (prepare.run, lambda f: ["--verify", shards_variant(
+        f, "ix-nul", shard(tokens="a\0b"))], r"shards\[0\].tokens = 'a\\x00b': must be the name of a file in"),
+    "index.json a file outside the folder": (prepare.run, lambda f: ["--verify", shards_variant(
+        f, "ix-escape", shard(docs="../../etc/passwd"))], r"shards\[0\].docs = '../../etc/passwd': must be the"),
+    "index.json a dtype not written": (prepare.run, lambda f: ["--verify", shards_variant(
+        f, "ix-dtype", lambda d: {**d, "dtype": "object"})], r"dtype = 'object': must be 'uint16' or 'uint32'"),
+    "index.json the tokenizer a string": (prepare.run, lambda f: ["--verify", shards_variant(
+        f, "ix-tok", lambda d: {**d, "tokenizer": "x"})], r"index.json tokenizer = 'x': expected dict"),
+    "prepare --verify of a file": (prepare.run, lambda f: ["--verify", str(f / "hf" / "config.json")],
+                                   r"--verify: .*config.json is a file, not a folder prepared with"),
+    "prepare into a folder below a file": (prepare.run, lambda f: [str(f / "hf" / "config.json" / "o")],
+                                           r"output folder .*config.json/o: cannot create"),
     "measure_costs --dry-run": (
         measure_costs.run, lambda f: ["--dry-run"], r"--dry-run: a flag of train.py, not of measure_costs"),
     "measure_costs a microbatch that cannot fit": (
@@ -141,3 +225,19 @@ def test_bad_input_to_a_command_is_one_line(case, folders, capsys):
     assert re.search(words, lines[0]), lines[0]
     for out in folders.glob("o[0-9]"):  # nothing half-written
         assert False, f"{out} was left behind"
+
+
+def test_entries_a_file_reader_does_not_know_are_said(folders, caplog):
+    """A checksum manifest or a shard index with an entry it does not read (misspelt, or from a newer version) is
+    read, and the entry is named in one warning."""
+    from trainer.checkpoint.manifest import read_manifest
+    from trainer.data.shards import TokenShards
+
+    manifest = checkpoint_variant(folders, "sum-extra", lambda d: {**d, "algorithim": "sha256"})
+    index = shards_variant(folders, "ix-extra", shard(sha265="0"))
+    with caplog.at_level("WARNING"):
+        assert len(read_manifest(folders / "sum-extra" / "checksums.json")) > 1
+        TokenShards(index)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(manifest in m and "not read: 'algorithim'" in m for m in said), said
+    assert any("in shards[0] that are not read: 'sha265'" in m for m in said), said

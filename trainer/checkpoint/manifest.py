@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainer.errors import UserError
+from trainer.jsonfile import count, entry, file_name, read_json, say_unknown
+
 logger = logging.getLogger(__package__)
 
 MANIFEST = "checksums.json"
@@ -54,15 +57,15 @@ def merge_shares(folder: Path) -> None:
 def find_damage(folder: Path) -> str | None:
     """What is wrong with ``folder`` by its ``checksums.json`` (None: intact, or saved without checksums).
     Every rank checks a share of the files; the verdicts are combined, so every rank returns the same."""
-    names, expected, problem = [], [], 0  # problem: 0 none, 1 no manifest, 2 unreadable manifest
-    try:
-        files = json.loads((folder / MANIFEST).read_text())["files"]
-        names = sorted(files)
-        expected = [(int(files[n]["bytes"]), str(files[n]["sha256"])) for n in names]
-    except FileNotFoundError:
+    names, expected, problem, reason = [], [], 0, ""  # problem: 0 none, 1 no manifest, 2 unreadable manifest
+    if not (folder / MANIFEST).exists():
         problem = 1
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        problem = 2
+    else:
+        try:
+            files = read_manifest(folder / MANIFEST)
+            names, expected = sorted(files), [files[n] for n in sorted(files)]
+        except UserError as e:
+            problem, reason = 2, " (" + str(e).split(f"{folder / MANIFEST} ", 1)[-1] + ")"
     # Every rank must take the same branch before the per-file verdicts are combined: agree on what
     # each read (the worst problem, and the number of files: the same manifest gives the same count).
     seen = torch.tensor([problem, len(names), -len(names)], dtype=torch.int64)
@@ -76,7 +79,7 @@ def find_damage(folder: Path) -> str | None:
                        " loading it unverified", folder, MANIFEST)
         return None
     if problem == 2 or most != fewest:
-        return f"its {MANIFEST} is unreadable" + ("" if problem == 2 else " (ranks read different contents)")
+        return f"its {MANIFEST} is unreadable" + (reason if problem == 2 else " (ranks read different contents)")
     # 0 = intact, 1 = missing, 2 = wrong size, 3 = wrong contents; combined with MAX over ranks (CPU: gloo)
     verdicts = torch.zeros(len(names), dtype=torch.int32)
     for i in range(rank(), len(names), world()):
@@ -97,6 +100,25 @@ def find_damage(folder: Path) -> str | None:
     what = {1: "is missing", 2: f"is not the {size} bytes written", 3: "has other contents than written"}
     more = f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""
     return f"{name} {what[verdict]}{more}"
+
+
+def read_manifest(path: Path) -> dict[str, tuple[int, str]]:
+    """{file name: (bytes, sha256)} of a checksum manifest, its every entry checked (UserError otherwise)."""
+    key = "checkpoint"
+    data = read_json(path, key, what="checksum manifest")
+    say_unknown(data, ("algorithm", "files"), path, key)
+    if data.get("algorithm", "sha256") != "sha256":
+        raise UserError(f"{key}: {path} algorithm = {data['algorithm']!r}: only 'sha256' is written or checked")
+    files = {}
+    for name, info in entry(data, "files", dict, path, key).items():
+        at = f"files[{name!r}]"
+        if not isinstance(info, dict):
+            raise UserError(f"{key}: {path} {at} = {info!r}: expected an object")
+        file_name({"name": name}, "name", path, key, where=f"{at} (the name)")
+        say_unknown(info, ("bytes", "sha256"), path, key, where=at)
+        files[name] = (count(info, "bytes", path, key, where=f"{at}.bytes"),
+                       entry(info, "sha256", str, path, key, where=f"{at}.sha256"))
+    return files
 
 
 def barrier(group=None) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.errors import UserError
+from trainer.jsonfile import count, entry, file_name, read_json, say_unknown
 
 logger = logging.getLogger(__name__)
 
@@ -53,24 +54,35 @@ class TokenShards:
         self.folder = Path(folder)
         self.key = key
         index_path = self.folder / INDEX
-        try:
-            index = json.loads(index_path.read_text())
-        except FileNotFoundError:
-            raise UserError(
-                f"{key}: {self.folder} has no {INDEX}; prepare it with python -m trainer.prepare"
-            ) from None
-        except (OSError, ValueError) as e:
-            raise UserError(f"{key}: cannot read {index_path}: {e}") from None
-        try:
-            if index.get("format") != FORMAT or index.get("version") != VERSION:
-                raise UserError(f"{key}: {index_path} is not a version-{VERSION} {FORMAT} index")
-            self.tokenizer_identity: str = index["tokenizer"]["identity"]
-            self.vocab_size: int = int(index["tokenizer"]["vocab_size"])
-            self.dtype = np.dtype(index["dtype"]).newbyteorder("<")
-            self.source: str = index.get("source", "")
-            self.shards = [ShardInfo(**s) for s in index["shards"]]
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"{key}: {index_path} is malformed ({type(e).__name__}: {e})") from None
+        if not index_path.exists() and not index_path.is_symlink():
+            if self.folder.is_file():
+                raise UserError(f"{key}: {self.folder} is a file, not a folder prepared with python -m trainer.prepare")
+            raise UserError(f"{key}: {self.folder} has no {INDEX}; prepare it with python -m trainer.prepare")
+        index = read_json(index_path, key, what=f"{FORMAT} index")
+        if index.get("format") != FORMAT or index.get("version") != VERSION:
+            raise UserError(f"{key}: {index_path} is not a version-{VERSION} {FORMAT} index")
+        say_unknown(index, ("format", "version", "source", "tokenizer", "dtype", "num_documents", "num_tokens",
+                            "shards"), index_path, key)
+        tokenizer = entry(index, "tokenizer", dict, index_path, key)
+        self.tokenizer_identity: str = entry(tokenizer, "identity", str, index_path, key, where="tokenizer.identity")
+        self.vocab_size: int = count(tokenizer, "vocab_size", index_path, key, where="tokenizer.vocab_size")
+        dtype = entry(index, "dtype", str, index_path, key)
+        if dtype not in ("uint16", "uint32"):
+            raise UserError(f"{key}: {index_path} dtype = {dtype!r}: must be 'uint16' or 'uint32'")
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.source: str = entry(index, "source", str, index_path, key, required=False) or ""
+        self.shards = []
+        for i, shard in enumerate(entry(index, "shards", list, index_path, key)):
+            at = f"shards[{i}]"
+            if not isinstance(shard, dict):
+                raise UserError(f"{key}: {index_path} {at} = {shard!r}: expected an object")
+            say_unknown(shard, ShardInfo.__dataclass_fields__, index_path, key, where=at)
+            self.shards.append(ShardInfo(
+                tokens=file_name(shard, "tokens", index_path, key, where=f"{at}.tokens"),
+                docs=file_name(shard, "docs", index_path, key, where=f"{at}.docs"),
+                num_tokens=count(shard, "num_tokens", index_path, key, where=f"{at}.num_tokens"),
+                num_documents=count(shard, "num_documents", index_path, key, where=f"{at}.num_documents"),
+                sha256=entry(shard, "sha256", str, index_path, key, where=f"{at}.sha256")))
         self.fingerprint = hashlib.sha256(index_path.read_bytes()).hexdigest()[:16]
         self._maps: list[np.ndarray] = []
         for shard in self.shards:
