@@ -49,7 +49,7 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
     """
     hf = _adapter(spec)
     aliases = spec.tied_aliases(args)
-    tensors = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # HF name -> {our name: its tensor}
     for chunk in chunks:
         for name, value in chunk.state_dict().items():
             full = full_tensor(value)
@@ -57,9 +57,12 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
                 continue
             converted = hf.to_hf(name, full.detach().to("cpu", dtype), args)
             keys = hf.names(name, args)
-            # One of ours may be several of theirs, stacked on dim 0 (e.g. one tensor per expert).
+            # One of ours may be several of theirs, stacked on dim 0 (e.g. one tensor per expert), and several of
+            # ours one of theirs (joined by the adapter; they sit in one block, so in one chunk).
             for key, part in zip(keys, converted.unbind(0) if len(keys) > 1 else [converted]):
-                tensors[key] = part.contiguous()
+                parts.setdefault(key, {})[name] = part
+    tensors = {key: (hf.join(key, p) if len(p) > 1 else next(iter(p.values()))).contiguous()
+               for key, p in parts.items()}
     file = f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if writer:
         folder.mkdir(parents=True, exist_ok=True)
@@ -195,6 +198,43 @@ def _weight_map(folder: Path, key: str = _KEY) -> dict[str, str]:
     return weight_map
 
 
+def _read_tensor(folder: Path, weight_map: dict[str, str], tensor: str, name: str, key: str) -> torch.Tensor:
+    """The tensor ``tensor`` of the folder (for our ``name``); stored as MXFP4 (``<tensor>_blocks`` and
+    ``<tensor>_scales``, as gpt-oss's experts are published), dequantized."""
+    read = lambda t: _read_safetensors(folder / weight_map[t], lambda f: f.get_tensor(t),  # noqa: E731
+                                       f" (named by {INDEX} for {t!r})", key)
+    if tensor in weight_map:
+        return read(tensor)
+    if f"{tensor}_blocks" in weight_map and f"{tensor}_scales" in weight_map:
+        blocks, scales = read(f"{tensor}_blocks"), read(f"{tensor}_scales")
+        try:
+            # The packed layout is nn.Linear's, (..., out, in); the HF parameter is (..., in, out).
+            return dequantize_mxfp4(blocks, scales).transpose(-2, -1)
+        except ValueError as e:
+            raise UserError(f"{key}: {folder} {tensor}_blocks / {tensor}_scales: {e}") from None
+    raise UserError(f"{key}: {folder} has no tensor {tensor!r} (for {name})")
+
+
+# The 16 values of a 4-bit e2m1 float (sign, 2 exponent bits, 1 mantissa bit), by code.
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 (the OCP microscaling format) -> float32: ``blocks`` (..., groups, 16) uint8 hold two e2m1 values a byte,
+    the first in the low 4 bits; ``scales`` (..., groups) uint8 are each group's power of two, biased by 127.
+    Returns (..., groups * 32)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"expected uint8 blocks (..., groups, 16) and uint8 scales (..., groups), got"
+                         f" {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    table = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    out = torch.empty(*blocks.shape[:-1], 32, dtype=torch.float32)
+    for b, s, o in zip(blocks.reshape(-1, *blocks.shape[-2:]), scales.reshape(-1, scales.shape[-1]),
+                       out.view(-1, *out.shape[-2:])):  # a row at a time: a published expert stack is 10^10 values
+        o[:, 0::2], o[:, 1::2] = table[(b & 0x0F).long()], table[(b >> 4).long()]
+        o.mul_(torch.exp2(s.float() - 127)[:, None])
+    return out.flatten(-2)
+
+
 @torch.no_grad()
 def load_hf_(chunks, spec: ModelSpec, args, folder: Path, key: str = _KEY) -> None:
     """Fill the chunks' parameters from a Hugging Face safetensors folder (any layout, any split); ``key``
@@ -206,16 +246,15 @@ def load_hf_(chunks, spec: ModelSpec, args, folder: Path, key: str = _KEY) -> No
         for name, param in chunk.named_parameters():
             source = aliases.get(name, name)
             keys = hf.names(source, args)
-            parts = []
-            for tensor in keys:
-                if tensor not in weight_map:
-                    raise UserError(f"{key}: {folder} has no tensor {tensor!r} (for {name})")
-                parts.append(_read_safetensors(folder / weight_map[tensor], lambda f, t=tensor: f.get_tensor(t),
-                                               f" (named by {INDEX} for {tensor!r})", key))
+            parts = [_read_tensor(folder, weight_map, tensor, name, key) for tensor in keys]
             full = torch.stack(parts) if len(keys) > 1 else parts[0]
             shown = keys[0] if len(keys) == 1 else f"{keys[0]} ... ({len(keys)} stacked)"
-            if tuple(full.shape) != tuple(param.shape):
-                raise UserError(f"{key}: {shown} in {folder} has shape {tuple(full.shape)}, the model expects"
-                                f" {tuple(param.shape)}")
-            copy_full_(param, hf.from_hf(source, full.float(), args))
+            try:  # the layout (a transpose, a slice of a joined tensor) is the adapter's: compare what it gives
+                ours = hf.from_hf(source, full.float(), args)
+            except RuntimeError:  # a reshape that does not fit
+                ours = None
+            if ours is None or tuple(ours.shape) != tuple(param.shape):
+                raise UserError(f"{key}: {shown} in {folder} has shape {tuple(full.shape)}, which does not give the"
+                                f" model's {tuple(param.shape)}")
+            copy_full_(param, ours)
     logger.info("weights loaded from Hugging Face folder %s", folder)

@@ -94,6 +94,16 @@ def shard(**change):
     return lambda d: {**d, "shards": [{**d["shards"][0], **change}]}
 
 
+def gpt_oss(name: str, **change):
+    """A variant whose config.json describes a gpt-oss model (the weights are never reached), with ``change``; a key
+    set to None is dropped."""
+    def edit(d):
+        d = {**d, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2, "swiglu_limit": 7.0,
+             "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], **change}
+        return {k: v for k, v in d.items() if v is not None}
+    return lambda f: ["from-hf", variant(f, name, edit_json("config.json", edit)), str(f / f"o-{name}")]
+
+
 def bigger_tokenizer(folder):
     Tokenizer(max_ranks=VOCAB + 100).save_hf(folder)
 
@@ -127,6 +137,17 @@ CASES = {
             "config.json", lambda d: json.dumps({**d, "rms_norm_eps": 1}).replace('"rms_norm_eps": 1',
                                                                                  '"rms_norm_eps": Infinity'))),
                                 str(f / "o5")], r"norm_eps=inf: must be a finite number"),
+    "gpt-oss layer_types entry": (convert.run, gpt_oss("oss-types", layer_types=["sliding_attention", "chunked"]),
+                                  r"config.json layer_types = \['sliding_attention', 'chunked'\]: entry 'chunked' is"
+                                  r" neither sliding_attention nor full_attention"),
+    "gpt-oss swiglu_limit 0": (convert.run, gpt_oss("oss-limit0", swiglu_limit=0),
+                               r"config.json swiglu_limit = 0: must be a finite number > 0"),
+    "gpt-oss swiglu_limit a string": (convert.run, gpt_oss("oss-limit-str", swiglu_limit="7"),
+                                      r"config.json swiglu_limit = '7': must be a finite number > 0"),
+    "gpt-oss top-k above the experts": (convert.run, gpt_oss("oss-topk", num_experts_per_tok=5),
+                                        r"config.json num_experts_per_tok = 5: must be <= num_local_experts = 4"),
+    "gpt-oss no num_local_experts": (convert.run, gpt_oss("oss-experts", num_local_experts=None),
+                                     r"config.json has no 'num_local_experts', which the model needs"),
     "weight_map value an int": (
         convert.run, lambda f: ["from-hf", variant(f, "index-int", edit_json(
             "model.safetensors.index.json", lambda d: {"weight_map": {"model.norm.weight": 5}})), str(f / "o6")],
@@ -223,7 +244,7 @@ def test_bad_input_to_a_command_is_one_line(case, folders, capsys):
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err[-2000:]
     assert re.search(words, lines[0]), lines[0]
-    for out in folders.glob("o[0-9]"):  # nothing half-written
+    for out in [*folders.glob("o[0-9]"), *folders.glob("o-*")]:  # nothing half-written
         assert False, f"{out} was left behind"
 
 

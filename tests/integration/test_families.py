@@ -52,6 +52,13 @@ CASES = {
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
     "mixtral": ("mixtral", T.MixtralForCausalLM, T.MixtralConfig, dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=None, rope_parameters={"rope_theta": 1e6})),
+    # Sliding and full layers alternating (window 8, shorter than the prompt), yarn without truncation; the clamp
+    # at 0.5 is reached by the tiny model's gate and up values, so a missing clamp shows.
+    "gpt_oss": ("gpt_oss", T.GptOssForCausalLM, T.GptOssConfig, dict(
+        num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=8, swiglu_limit=0.5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
+            "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
 }
 
 
@@ -63,7 +70,7 @@ def hf_model(case: str):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.3 * torch.randn(p.shape))
-            elif name.endswith("proj.bias"):
+            elif name.endswith(("proj.bias", "_bias", "router.bias", "sinks")):  # sinks and biases (gpt-oss)
                 p.add_(0.5 * torch.randn(p.shape))
     return model
 

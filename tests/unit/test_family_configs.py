@@ -28,3 +28,29 @@ def test_a_family_config_plans_on_8_gpus(name, tmp_path):
     text = describe_plan(plan)
     assert line in text and "dp_shard 8 * cp 1 * tp 1 * pp 1 = 8 ranks" in text
     assert "attention block_causal (within documents)" in text
+
+
+# mixture-of-experts configs: (family, world size, total and active parameters in billions, a line the dry run prints)
+MOE_CONFIGS = {
+    "gpt_oss_20b": ("gpt_oss", 8, 21.0, 3.6, "Model: gpt_oss 20b"),
+    "gpt_oss_120b": ("gpt_oss", 64, 117.0, 5.1, "Model: gpt_oss 120b"),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_CONFIGS))
+def test_a_mixture_of_experts_config_plans_with_expert_parallelism(name, tmp_path):
+    """Total parameters as counted in the model; active ones as the model cards count them (every matmul weight a
+    token uses, the output projection included, the embedding lookup not): the training FLOPs per token without
+    the attention scores, / 6."""
+    from trainer.models.decoder.model import attention_flops
+
+    family, world, total, active, line = MOE_CONFIGS[name]
+    plan = load_plan(["--job.dump_folder", str(tmp_path)], world, config_file=f"configs/{name}.toml",
+                     check_memory=False)
+    assert plan.spec.name == family
+    assert plan.num_params == pytest.approx(total * 1e9, rel=0.02)
+    args, seq = plan.model_args, plan.config.training.seq_len
+    assert (plan.spec.flops_per_token(args, seq) - attention_flops(args, seq)) / 6 == pytest.approx(active * 1e9,
+                                                                                                   rel=0.02)
+    text = describe_plan(plan)
+    assert line in text and f"dp_shard {world} * cp 1 * tp 1 * pp 1 = {world} ranks (ep 8 of dp_shard)" in text

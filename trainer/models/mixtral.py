@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from trainer.models.decoder.hf import base_args, beyond, refuse_unless, require, rope_args
 from trainer.models.moe import moe_spec
 from trainer.models.moe.args import MoEArgs
-from trainer.models.moe.hf import MoEHF
+from trainer.models.moe.hf import MoEHF, experts_beyond
 from trainer.models.registry import register_model
 
 _EXPERTS = {"moe.experts.w1": "w1", "moe.experts.w3": "w3", "moe.experts.w2": "w2"}
@@ -35,7 +35,7 @@ def _why_not(a: MoEArgs) -> str | None:
             or not a.norm_topk or a.route_scale != 1.0:
         return ("a dense block, shared experts, a balancing bias or routing other than softmax top-k renormalised"
                 " (Mixtral routes softmax top-k in every block)")
-    return beyond(a, "MixtralForCausalLM", {"sliding_window"})
+    return experts_beyond(a, "MixtralForCausalLM") or beyond(a, "MixtralForCausalLM", {"sliding_window"})
 
 
 @dataclass

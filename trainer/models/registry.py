@@ -52,6 +52,11 @@ class HFAdapter(ABC):
         weight for all experts, one per expert in HF)."""
         return [self.hf_name(name)]
 
+    def join(self, key: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The HF tensor ``key`` made of several of ours ({our name: its ``to_hf`` tensor}), where ``names`` gives
+        several of ours one name (e.g. gate and up interleaved in one tensor); ``from_hf`` takes each one's part."""
+        raise AssertionError(f"{type(self).__name__} maps {', '.join(parts)} to one tensor {key}, unjoined")
+
     def unsupported(self, args: Any) -> str | None:
         """Why the HF class cannot hold a model built from ``args`` (refused at plan time), or None."""
         return None

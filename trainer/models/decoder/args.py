@@ -32,6 +32,10 @@ class DecoderArgs:
     attn_backend: str = "sdpa"  # [model] attn_backend: "varlen" attends document by document (block-causal, CPU)
     # -- attention ------------------------------------------------------------------------------------------
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
+    attn_out_bias: bool = False  # a bias on the attention's output projection (gpt-oss)
+    attn_sinks: bool = False
+    """A learned logit per head that joins each query's softmax denominator and carries no value (gpt-oss): a query
+    may give less than all of its attention to the keys. The scores are materialised (no fused kernel takes it)."""
     qk_norm: Literal["none", "head", "projection"] = "none"
     """RMSNorm of q and k: over each head (Qwen 3, Gemma 3) or over the whole projection (OLMo 2)."""
     attn_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
@@ -157,8 +161,9 @@ def validate_decoder_args(a: DecoderArgs) -> None:
         raise bad("rope_high_freq_factor", f"must be > rope_low_freq_factor={a.rope_low_freq_factor} (llama3 scaling)")
     if a.rope_scaling == "yarn" and not a.rope_beta_fast > a.rope_beta_slow > 0:
         raise bad("rope_beta_fast", f"must be > rope_beta_slow={a.rope_beta_slow} > 0 (yarn scaling)")
-    if a.attn_backend == "varlen" and (a.sliding_window or a.attn_softcap):
+    if a.attn_backend == "varlen" and (a.sliding_window or a.attn_softcap or a.attn_sinks):
         raise ConfigError('[model] attn_backend = "varlen": this model has '
-                          + ("a sliding window" if a.sliding_window else "attention logit soft-capping")
+                          + ("a sliding window" if a.sliding_window else "attention logit soft-capping"
+                             if a.attn_softcap else "attention sinks")
                           + ', which attending each document alone with the causal kernel does not compute;'
                             ' use attn_backend = "sdpa"')

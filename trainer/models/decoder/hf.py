@@ -25,7 +25,8 @@ BLOCK = {
     "attention.wq.weight": "self_attn.q_proj.weight", "attention.wq.bias": "self_attn.q_proj.bias",
     "attention.wk.weight": "self_attn.k_proj.weight", "attention.wk.bias": "self_attn.k_proj.bias",
     "attention.wv.weight": "self_attn.v_proj.weight", "attention.wv.bias": "self_attn.v_proj.bias",
-    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight", "attention.wo.bias": "self_attn.o_proj.bias",
+    "attention.sinks.weight": "self_attn.sinks",
     "attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight", "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
@@ -236,7 +237,8 @@ def tied_embeddings(config: dict, default: bool) -> bool:
 
 
 # The decoder's options and their Llama defaults: a transformers class that lacks one cannot hold a model that sets it.
-OPTIONS = {"qkv_bias": False, "qk_norm": "none", "attn_scale": None, "attn_softcap": 0.0, "sliding_window": 0,
+OPTIONS = {"qkv_bias": False, "attn_out_bias": False, "attn_sinks": False,
+           "qk_norm": "none", "attn_scale": None, "attn_softcap": 0.0, "sliding_window": 0,
            "global_every": 0, "rope_local_theta": None, "norm_placement": "pre", "norm_offset": 0.0,
            "activation": "silu", "embedding_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0,
            "final_softcap": 0.0}

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.dtensor import local_tensor
 from trainer.models.attention import block_causal_mask
 from trainer.models.decoder.args import DecoderArgs
 from trainer.models.init import InitFn, constant_, init_param_, normal_
@@ -110,37 +111,59 @@ class RMSNorm(nn.RMSNorm):
         return (y * (self.offset + self.weight.float())).type_as(x)
 
 
-def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-                         scale: float, softcap: float, causal: bool) -> torch.Tensor:
-    """Attention whose logits are soft-capped (``softcap * tanh(logits / softcap)``), which no fused kernel
-    computes: the scores are materialised (Gemma 2). (batch, heads, seq, head_dim) in, the same shape out."""
+def materialized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                           scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                           causal: bool) -> torch.Tensor:
+    """Attention whose scores are materialised, for what no fused kernel computes: logits soft-capped
+    (``softcap * tanh(logits / softcap)``, Gemma 2) and sinks (one logit per head that joins the softmax's
+    denominator with no value, gpt-oss). ``mask``: additive (batch, 1, queries, keys), or boolean (queries, keys)
+    of the keys each query may see (generation's cache). (batch, heads, seq, head_dim) in, the same shape out."""
     if q.shape[1] != k.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
-    if mask is not None:
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
         scores = scores + mask
     elif causal:
         allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2]
                                                                                                 - q.shape[-2])
         scores = scores.masked_fill(~allowed, float("-inf"))
-    return scores.softmax(-1, dtype=torch.float32).type_as(q) @ v
+    if sinks is None:
+        return scores.softmax(-1, dtype=torch.float32).type_as(q) @ v
+    # (batch, heads, queries, keys + 1): the sink is one more logit per row, dropped after the softmax
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores.float(), sink], dim=-1).softmax(-1)[..., :-1]
+    return probs.type_as(q) @ v
+
+
+class HeadSinks(nn.Module):
+    """The attention sinks: one learned logit per query head (a module of its own, so that tensor parallelism
+    shards it with the heads)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings and the options of ``DecoderArgs``: biases on q/k/v, an
-    RMSNorm of q and k over each head or the whole projection, a softmax scale, logit soft-capping, a sliding
-    window (the mask comes with the call; the window matters here only for generation's KV cache)."""
+    """Grouped-query attention with rotary embeddings and the options of ``DecoderArgs``: biases on q/k/v and on the
+    output, an RMSNorm of q and k over each head or the whole projection, a softmax scale, logit soft-capping, sinks,
+    a sliding window (the mask comes with the call; the window matters here only for generation's KV cache)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qk_norm: str = "none",
                  norm_eps: float = 1e-5, norm_offset: float = 0.0, bias: bool = False, scale: float | None = None,
-                 softcap: float | None = None, window: int | None = None):
+                 softcap: float | None = None, window: int | None = None, out_bias: bool = False,
+                 sinks: bool = False):
         super().__init__()
         self.head_dim = head_dim
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=out_bias)
+        self.sinks = HeadSinks(n_heads) if sinks else None
         self.qk_norm = qk_norm
         width = {"head": (head_dim, head_dim), "projection": (n_heads * head_dim, n_kv_heads * head_dim)}
         if qk_norm in width:
@@ -184,9 +207,10 @@ class Attention(nn.Module):
         causal = mask is None and (start == 0 or seq == 1)
         if isinstance(mask, DocumentLengths):
             out = per_document_attention(q, k, v, mask, enable_gqa=grouped)
-        elif self.softcap is not None:
-            out = softcapped_attention(q, k, v, mask, scale=self.scale or self.head_dim**-0.5, softcap=self.softcap,
-                                       causal=causal and seq > 1)
+        elif self.softcap is not None or self.sinks is not None:
+            sinks = None if self.sinks is None else local_tensor(self.sinks.weight)  # this rank's heads under TP
+            out = materialized_attention(q, k, v, mask, scale=self.scale or self.head_dim**-0.5, softcap=self.softcap,
+                                         sinks=sinks, causal=causal and seq > 1)
         else:
             if grouped and mask is not None and q.is_cuda:
                 k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
@@ -307,7 +331,8 @@ def attention_of(args: DecoderArgs, layer_id: int, *, qk_norm: str | None = None
     return Attention(args.dim, args.n_heads, args.num_kv_heads, args.head_dim,
                      qk_norm=args.qk_norm if qk_norm is None else qk_norm, norm_eps=args.norm_eps,
                      norm_offset=args.norm_offset, bias=args.qkv_bias, scale=args.attn_scale,
-                     softcap=args.attn_softcap or None, window=args.window(layer_id))
+                     softcap=args.attn_softcap or None, window=args.window(layer_id), out_bias=args.attn_out_bias,
+                     sinks=args.attn_sinks)
 
 
 class TransformerBlock(nn.Module):
@@ -409,7 +434,7 @@ class Transformer(nn.Module):
         parts = name.split(".")
         if name.endswith("norm.weight"):
             return constant_(1.0 - args.norm_offset)  # a scale of 1 either way
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "_bias")):  # nn.Linear's, and stacked experts' (w1_bias...)
             return constant_(0.0)
         if parts[0] == "tok_embeddings":
             # Tied: the same weight is the output projection, so give it the output's scale.
@@ -470,7 +495,8 @@ def decoder_activation_bytes(args: DecoderArgs, *, dtype_bytes: int, tp: int = 1
     unmodelled = [name for name, on in (
         ("norms after the branches", args.norm_placement != "pre"), ("q/k norm over the projection",
                                                                       args.qk_norm == "projection"),
-        ("soft-capped attention logits", bool(args.attn_softcap)), ("offset norms", args.norm_offset != 0),
+        ("soft-capped attention logits", bool(args.attn_softcap)), ("attention sinks", args.attn_sinks),
+        ("offset norms", args.norm_offset != 0),
         ("GeGLU", args.activation != "silu"), ("scaled embeddings, residuals or logits",
                                                (args.embedding_scale, args.residual_scale, args.logit_scale)
                                                != (1.0, 1.0, 1.0)),

@@ -29,6 +29,10 @@ def decoder_job_limits(args: DecoderArgs, dims) -> str | None:
         return (f"[parallelism] context_parallel_degree={dims.cp}: not supported for this model, whose attention"
                 f" logits are soft-capped ([model.overrides] attn_softcap = {args.attn_softcap:g}, Gemma 2), which"
                 " context parallelism's attention does not compute")
+    if dims.cp > 1 and args.attn_sinks:
+        return (f"[parallelism] context_parallel_degree={dims.cp}: not supported for this model, whose attention has"
+                " sinks ([model.overrides] attn_sinks = true, gpt-oss), which context parallelism's attention does not"
+                " compute")
     return None
 
 

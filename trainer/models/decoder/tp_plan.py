@@ -8,7 +8,7 @@ and the output projection sharded over the vocabulary for loss parallelism.
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -29,6 +29,18 @@ class HeadNormParallel(ParallelStyle):
                                                      for t in inputs),
             output_fn=lambda mod, out, mesh: out.to_local(),
         )
+
+
+class HeadShardParallel(ParallelStyle):
+    """A module holding one value per query head (attention sinks): its parameters are sharded on dim 0 like the
+    heads, so each rank reads the values of its own heads (``local_tensor``) and their gradients stay per head."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def shard(name, mod, mesh):
+            for key, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        return distribute_module(module, device_mesh, partition_fn=shard)
 
 
 def build_tp_plan(
@@ -61,6 +73,7 @@ def build_tp_plan(
         # per-head q/k norms (Qwen 3, Gemma 3); a norm over the whole projection is refused under TP
         "attention.q_norm": HeadNormParallel(),
         "attention.k_norm": HeadNormParallel(),
+        "attention.sinks": HeadShardParallel(),  # gpt-oss
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()

@@ -28,6 +28,14 @@ class MoEArgs(DecoderArgs):
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk: bool = True  # the k chosen weights are renormalised to sum to 1
     route_scale: float = 1.0  # the chosen weights are multiplied by this
+    router_bias: bool = False  # the router's logits have a learned bias (gpt-oss)
+    # Experts: biases on each expert's gate, up and down projections (gpt-oss); the activation SwiGLU
+    # (silu(gate) * up) or gpt-oss's clamped one: gate clamped above at swiglu_limit, up to [-limit, limit],
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1).
+    expert_biases: bool = False
+    expert_activation: Literal["swiglu", "swiglu_clamped"] = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     # Load balancing. bias_update_speed > 0: the auxiliary-loss-free method (DeepSeek-V3): each expert has a
     # bias added to its score for choosing only, moved by this much per step towards equal load.
     # aux_loss_coef > 0: a sequence-wise balance loss of this weight is added to the training objective.
@@ -77,6 +85,11 @@ def validate_moe_args(a: MoEArgs) -> None:
         raise bad("top_k", f"must be <= n_experts={a.n_experts}")
     if a.score_func not in ("softmax", "sigmoid"):
         raise bad("score_func", "must be 'softmax' or 'sigmoid'")
+    if a.expert_activation not in ("swiglu", "swiglu_clamped"):
+        raise bad("expert_activation", "must be 'swiglu' or 'swiglu_clamped'")
+    for key in ("swiglu_limit", "swiglu_alpha"):
+        if not (math.isfinite(getattr(a, key)) and getattr(a, key) > 0):
+            raise bad(key, "must be a finite number > 0")
 
 
 FLAVORS = {

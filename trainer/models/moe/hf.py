@@ -17,8 +17,18 @@ from trainer.models.moe.args import MoEArgs
 _EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
 
 
+def experts_beyond(args: MoEArgs, architecture: str) -> str | None:
+    """The router and expert options (gpt-oss's) that ``architecture``, a plain SwiGLU mixture, cannot hold."""
+    extra = [f"{k} = {getattr(args, k)!r}" for k, default in (("router_bias", False), ("expert_biases", False),
+                                                               ("expert_activation", "swiglu"))
+             if getattr(args, k) != default]
+    return f"{', '.join(extra)} ({architecture} has no such option)" if extra else None
+
+
 def unsupported(args: MoEArgs) -> str | None:
     """Why Qwen3MoeForCausalLM cannot hold this model (None: it can)."""
+    if why := experts_beyond(args, "Qwen3MoeForCausalLM"):
+        return why
     if args.n_shared_experts:
         return "n_shared_experts > 0 (Qwen 3 MoE has no shared experts)"
     if args.bias_update_speed > 0:

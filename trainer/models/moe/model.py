@@ -7,6 +7,7 @@ trainer.parallel.ep) that moves tokens to the ranks holding their experts and ba
 """
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -38,7 +39,7 @@ class Router(nn.Module):
 
     def __init__(self, args: MoEArgs):
         super().__init__()
-        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=args.router_bias)
         self.top_k, self.score_func = args.top_k, args.score_func
         self.norm_topk, self.route_scale = args.norm_topk, args.route_scale
         if args.bias_update_speed > 0:
@@ -48,7 +49,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, dim) -> (weights (tokens, k), experts (tokens, k), scores (tokens, n_experts)), fp32."""
-        logits = F.linear(x.float(), local_tensor(self.gate.weight).float())
+        bias = None if self.gate.bias is None else local_tensor(self.gate.bias).float()
+        logits = F.linear(x.float(), local_tensor(self.gate.weight).float(), bias)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choose = scores if self.expert_bias is None else scores + self.expert_bias
         experts = torch.sort(choose.detach(), dim=-1, descending=True, stable=True).indices[:, : self.top_k]
@@ -59,26 +61,49 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """``n_experts`` SwiGLU experts as three stacked weights (experts, out, in), like nn.Linear's layout."""
+    """``n_experts`` gated experts as three stacked weights (experts, out, in), like nn.Linear's layout, with
+    optional stacked biases (experts, out); the gate's activation is ``expert_activation`` (see MoEArgs)."""
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, *, use_grouped_mm: bool = True):
+    def __init__(self, dim: int, hidden: int, n_experts: int, *, use_grouped_mm: bool = True, biases: bool = False,
+                 activation: str = "swiglu", limit: float = 7.0, alpha: float = 1.702):
         super().__init__()
         self.use_grouped_mm = use_grouped_mm
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
+        if biases:  # stacked on dim 0 like the weights: expert parallelism shards them with their experts
+            self.w1_bias = nn.Parameter(torch.empty(n_experts, hidden))
+            self.w3_bias = nn.Parameter(torch.empty(n_experts, hidden))
+            self.w2_bias = nn.Parameter(torch.empty(n_experts, dim))
+        self.biases = biases
+        self.gated = swiglu if activation == "swiglu" else functools.partial(
+            gated_activation, kind=activation, limit=limit, alpha=alpha)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens grouped by expert (this rank's experts, in order); counts: tokens per expert."""
         w1, w2, w3 = local_tensor(self.w1), local_tensor(self.w2), local_tensor(self.w3)
+        b = tuple(local_tensor(getattr(self, n)) for n in ("w1_bias", "w2_bias", "w3_bias")) if self.biases else ()
         dtype = None
         if self.use_grouped_mm:
             device = x.device.type
             autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
             dtype = grouped_mm_dtype(device, x.dtype, autocast)
         if dtype is not None:  # autocast does not cover torch._grouped_mm: the casts are ours
-            return grouped_swiglu(x.to(dtype), counts, w1.to(dtype), w2.to(dtype), w3.to(dtype))
-        return looped_swiglu(x, counts, w1, w2, w3)
+            return grouped_swiglu(x.to(dtype), counts, w1.to(dtype), w2.to(dtype), w3.to(dtype),
+                                  tuple(t.to(dtype) for t in b), self.gated)
+        return looped_swiglu(x, counts, w1, w2, w3, b, self.gated)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, kind: str, limit: float, alpha: float) -> torch.Tensor:
+    """SwiGLU, silu(gate) * up, or gpt-oss's clamped form (see MoEArgs.expert_activation)."""
+    if kind == "swiglu":
+        return swiglu(gate, up)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
 
 def grouped_mm_dtype(device_type: str, dtype: torch.dtype, autocast: torch.dtype | None) -> torch.dtype | None:
@@ -90,24 +115,34 @@ def grouped_mm_dtype(device_type: str, dtype: torch.dtype, autocast: torch.dtype
     return torch.bfloat16 if (autocast or dtype) == torch.bfloat16 else None
 
 
-def looped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    """One matmul chain per expert that received tokens (any device; empty experts are skipped)."""
+def looped_swiglu(x, counts, w1, w2, w3, biases: tuple = (), gated=swiglu) -> torch.Tensor:
+    """One matmul chain per expert that received tokens (any device; empty experts are skipped). ``biases``: the
+    stacked biases of w1, w2, w3 (experts, out), or none; ``gated(gate, up)``: the activation."""
     outs = []
     # unbind, not w[e]: indexing's backward writes a zero gradient of the whole stack per expert
-    for rows, a, b, c in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True):
-        if rows.shape[0]:
-            outs.append((F.silu(rows @ a.T) * (rows @ c.T)) @ b.T)
+    for rows, a, b, c, *bias in zip(torch.split(x, counts.tolist()), w1.unbind(0), w2.unbind(0), w3.unbind(0),
+                                    *(t.unbind(0) for t in biases), strict=True):
+        if not rows.shape[0]:
+            continue
+        if bias:
+            outs.append(gated(rows @ a.T + bias[0], rows @ c.T + bias[2]) @ b.T + bias[1])
+        else:
+            outs.append(gated(rows @ a.T, rows @ c.T) @ b.T)
     if not outs:  # no token came: an empty result that still reaches the weights (zero gradients)
-        return x.new_zeros(0, w2.shape[1]) + 0 * (w1.sum() + w2.sum() + w3.sum())
+        return x.new_zeros(0, w2.shape[1]) + 0 * sum(t.sum() for t in (w1, w2, w3, *biases))
     return torch.cat(outs)
 
 
-def grouped_swiglu(x, counts, w1, w2, w3) -> torch.Tensor:
-    """torch._grouped_mm: all experts in one kernel per projection (CUDA, bf16)."""
+def grouped_swiglu(x, counts, w1, w2, w3, biases: tuple = (), gated=swiglu) -> torch.Tensor:
+    """torch._grouped_mm: all experts in one kernel per projection (CUDA, bf16); each row gets its expert's bias."""
     offs = counts.cumsum(0).to(torch.int32)
     gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-    h = F.silu(gate) * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    if biases:
+        b1, b2, b3 = (t.repeat_interleave(counts, dim=0, output_size=x.shape[0]) for t in biases)
+        gate, up = gate + b1, up + b3
+    out = torch._grouped_mm(gated(gate, up), w2.transpose(-2, -1), offs=offs)
+    return out + b2 if biases else out
 
 
 def local_dispatch(x: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
@@ -149,7 +184,9 @@ class MoE(nn.Module, ExpertLayer):
         self.n_experts = args.n_experts
         self.router = Router(args)
         self.experts = GroupedExperts(args.dim, args.expert_hidden_dim, args.n_experts,
-                                      use_grouped_mm=args.use_grouped_mm)
+                                      use_grouped_mm=args.use_grouped_mm, biases=args.expert_biases,
+                                      activation=args.expert_activation, limit=args.swiglu_limit,
+                                      alpha=args.swiglu_alpha)
         hidden = args.expert_hidden_dim * args.n_shared_experts
         self.shared_experts = FeedForward(args.dim, hidden) if hidden else None
         self.aux_loss_coef, self.bias_update_speed = args.aux_loss_coef, args.bias_update_speed
