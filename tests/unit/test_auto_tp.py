@@ -187,3 +187,12 @@ def test_overrides_replace_derived_styles():
     with pytest.raises(ConfigError, match='apply to tensor_parallel_plan = "auto" only'):
         load_config(overrides=["--parallelism.tensor_parallel_degree", "2",
                                "--parallelism.tensor_parallel_overrides.attention.wq", "colwise"])
+
+
+def test_a_weight_read_by_its_parents_code_is_refused_not_left_whole():
+    """Attention sinks (one logit per head, read by the attention's own code) leave no trace in the graph of
+    Linears: left whole while the heads are split, they broke the first step; now the plan is refused in one line."""
+    with pytest.raises(ConfigError, match=r'tensor_parallel_plan = "auto": layers.N.attention.sinks is read by its'
+                                          r" parent's code"):
+        load_plan(["--model.overrides.attn_sinks", "true", "--parallelism.tensor_parallel_degree", "2",
+                   "--parallelism.tensor_parallel_plan", "auto"], 2)

@@ -149,6 +149,13 @@ def derive_tp_plan(model: nn.Module, layout: ModelLayout, *, tp: int, seq_len: i
             )
 
     block, records, block_out = _block_graph(model, layers_attr, seq_len)
+    # A module with weights that is never called (its weight read by its parent's code, e.g. attention sinks: one
+    # logit per head) leaves no trace in the graph: whether it must be split with the heads cannot be derived.
+    for name, mod in block.named_modules():
+        if name and name not in records and next(mod.parameters(recurse=False), None) is not None:
+            raise ConfigError(f"[parallelism] tensor_parallel_plan = \"auto\": {layers_attr}.N.{name} is read by its"
+                              " parent's code, which the derived plan cannot tell how to split; set"
+                              " tensor_parallel_plan = \"model\" (the family's plan)")
     weighted = {name: records.pop(name) for name in list(records)
                 if not isinstance(block.get_submodule(name), nn.Linear)}
     producer = {out.grad_fn: name for name, (_, out) in records.items() if out.grad_fn is not None}
