@@ -262,3 +262,15 @@ def test_entries_a_file_reader_does_not_know_are_said(folders, caplog):
     said = [r.getMessage() for r in caplog.records]
     assert any(manifest in m and "not read: 'algorithim'" in m for m in said), said
     assert any("in shards[0] that are not read: 'sha265'" in m for m in said), said
+
+
+def test_a_balance_loss_that_is_not_imported_is_said(caplog):
+    from trainer.models.decoder.hf import base_args
+
+    config = {"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "vocab_size": 4,
+              "intermediate_size": 4, "router_aux_loss_coef": 0.01}
+    with caplog.at_level("WARNING"):
+        base_args(config, "mixtral")  # transformers trains without it unless output_router_logits: nothing to say
+        assert not caplog.records
+        base_args({**config, "output_router_logits": True}, "mixtral")
+    assert "router_aux_loss_coef = 0.01: transformers' balance loss is not imported" in caplog.text

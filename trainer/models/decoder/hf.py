@@ -8,6 +8,7 @@ and their norms' weights) is permuted on the way out and back on the way in, so 
 the same function.
 """
 
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -18,6 +19,8 @@ import torch
 from trainer.errors import UserError
 from trainer.models.decoder.args import DecoderArgs
 from trainer.models.registry import HFAdapter
+
+logger = logging.getLogger(__name__)
 
 TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
        "output.weight": "lm_head.weight"}
@@ -217,6 +220,11 @@ def base_args(config: dict, family: str, *, tied: bool = False) -> dict:
     """The sizes every decoder class describes alike, as our args; ``tied``: the class's default for
     ``tie_word_embeddings``."""
     dim, heads = require(config, "hidden_size"), require(config, "num_attention_heads")
+    if config.get("output_router_logits") is True and config.get("router_aux_loss_coef"):
+        # transformers adds its load-balancing loss only with output_router_logits; ours is another formula
+        logger.warning("config.json output_router_logits = true, router_aux_loss_coef = %r: transformers' balance loss"
+                       " is not imported (trained without one; [model.overrides] aux_loss_coef turns on this"
+                       " trainer's sequence-wise balance loss)", config["router_aux_loss_coef"])
     head_dim = config.get("head_dim") or dim // heads
     context = config.get("max_position_embeddings")
     context = {"max_seq_len": context} if isinstance(context, int) and not isinstance(context, bool) else {}
