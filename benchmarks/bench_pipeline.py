@@ -5,7 +5,7 @@
 A Llama with dim 512 and 8 layers (vocabulary 2048, so the blocks dominate the compute), 8
 sequences of 128 tokens per step split into 8 microbatches. Every process gets one thread;
 the single-process step (also one thread) divided by pp is the ideal. The theoretical bubble
-comes from trainer.parallel.schedule_sim (F=1, B=2, I=W=1, no communication), so the
+comes from trainer.pipeline.simulate (F=1, B=2, I=W=1, no communication), so the
 expected time is ideal / (1 - bubble). With more ranks than cores (pp 4 on a 2-core machine)
 the ranks share cores and the measured time cannot reach the ideal.
 
@@ -13,7 +13,7 @@ Steps after the warm-up are also timed action by action ([profiling] pipeline_ti
 each timed step: its pipeline span (first action start to last action end over the ranks), the
 bubble model built from the measured per-stage times (the schedule replayed with the median
 measured duration of each action kind on each stage, communication free:
-trainer.parallel.schedule_sim.replayed_span), and each pipeline rank's measured bubble; the table
+trainer.pipeline.simulate.replayed_span), and each pipeline rank's measured bubble; the table
 gives their medians over the timed steps. span/model above 1 is what communication and
 scheduling overhead add to the compute the schedule orders.
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_parallel import alternating, launch_job  # noqa: E402
 
 from trainer.config.schedules import SCHEDULES  # noqa: E402
-from trainer.parallel.schedule_sim import bubble_fraction  # noqa: E402
+from trainer.pipeline.simulate import bubble_fraction  # noqa: E402
 
 MODEL = [
     "--model.overrides.dim", "512", "--model.overrides.n_layers", "8", "--model.overrides.n_heads", "8",

@@ -89,8 +89,8 @@ def copy_bytes_per_second(device: str) -> float:
 
 def plan_rows(name: str, base: list[str], cost_file: Path, pps: list[int]) -> list[dict]:
     from tests.conftest import load_plan
-    from trainer.parallel.pipeline_planner import Simulator
-    from trainer.parallel.schedule_sim import program_for
+    from trainer.pipeline.search import Simulator
+    from trainer.pipeline.simulate import program_for
 
     out = []
     for pp in pps:
@@ -134,9 +134,9 @@ def main() -> None:
 
     from trainer.config import load_config
     from trainer.measure_costs import measure
-    from trainer.parallel.pipeline_cost import memory_bytes
+    from trainer.pipeline.cost import memory_bytes
     from trainer.plan import build_job_plan
-    from trainer.pricing import pipeline_costs
+    from trainer.pipeline.cost import pipeline_costs
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     bytes_per_second = (copy_bytes_per_second(device) if args.memory_gbps == "copy"

@@ -41,7 +41,7 @@ costs predict it, and its time per block.
 
 Earlier versions ran each split as its own training (a case of several steps, rebuilt each time),
 with the planner's split between cases; the planner's split paired with itself 0.69-0.86 at its
-lowest on a noisy day (docs/performance.md keeps those tables).
+lowest on a noisy day.
 """
 
 import argparse
@@ -60,8 +60,8 @@ from arguments import at_least  # benchmarks/arguments.py, beside this script
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainer.parallel.pipeline_planner import Simulator  # noqa: E402
-from trainer.parallel.schedule_sim import program_for  # noqa: E402
+from trainer.pipeline.search import Simulator  # noqa: E402
+from trainer.pipeline.simulate import program_for  # noqa: E402
 
 MODELS = {
     "debug": [],

@@ -4,7 +4,7 @@
 
 For each case the FLOP model's costs (relative units, full activation checkpointing) are planned as the dry run
 plans them, then the search runs three times: with 200,000 action-replays in all (the budget before the
-descents had their own), with the defaults (``pipeline_planner.DESCENT_REPLAYS`` for the descents from the
+descents had their own), with the defaults (``search.DESCENT_REPLAYS`` for the descents from the
 seeds, ``REPLAY_BUDGET`` for the branch and bound), and with both defaults five times larger. Where a search
 ends exact the split found is the best there is. The search is deterministic: its split does not depend on the
 machine, its seconds do. No process group and no GPU: this is the planning a dry run and every rank's start-up do.
@@ -21,8 +21,8 @@ from arguments import at_least  # benchmarks/arguments.py, beside this script
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config  # noqa: E402
-from trainer.parallel import pipeline_planner  # noqa: E402
-from trainer.parallel.schedule_sim import program_for  # noqa: E402
+from trainer.pipeline import search  # noqa: E402
+from trainer.pipeline.simulate import program_for  # noqa: E402
 from trainer.plan import build_job_plan  # noqa: E402
 
 EARLIER_BUDGET = 200_000
@@ -40,29 +40,29 @@ CASES = [  # config, pp, schedule, local batch size (microbatches of 1)
 ]
 
 
-def simulator(config: str, pp: int, schedule: str, batch: int) -> pipeline_planner.Simulator:
+def simulator(config: str, pp: int, schedule: str, batch: int) -> search.Simulator:
     job = load_config(f"configs/{config}.toml", [
         "--parallelism.pipeline_parallel_degree", str(pp), "--parallelism.pipeline_parallel_schedule", schedule,
         "--parallelism.tensor_parallel_degree", "8" if "70b" in config else "1",
         "--training.local_batch_size", str(batch), "--activation_checkpoint.mode", "full",
         "--parallelism.pipeline_parallel_split_mode", "flops"])  # the planner's own search runs below, timed
     plan = build_job_plan(job, pp * 64, check_memory=False)
-    return pipeline_planner.Simulator(plan.pipeline_costs, program_for(
+    return search.Simulator(plan.pipeline_costs, program_for(
         schedule, pp, plan.n_microbatches, plan.pipeline.stages_per_rank))
 
 
-def search(sim: pipeline_planner.Simulator, scale: int | None) -> tuple[pipeline_planner.SplitSearch, float]:
+def search(sim: search.Simulator, scale: int | None) -> tuple[search.SplitSearch, float]:
     """``scale`` None: EARLIER_BUDGET action-replays in all; else the defaults times ``scale``."""
-    defaults = pipeline_planner.REPLAY_BUDGET, pipeline_planner.DESCENT_REPLAYS
+    defaults = search.REPLAY_BUDGET, search.DESCENT_REPLAYS
     budget = None if scale is not None else max(64, EARLIER_BUDGET // len(sim.program.actions))
     if scale is not None:
-        pipeline_planner.REPLAY_BUDGET, pipeline_planner.DESCENT_REPLAYS = (scale * d for d in defaults)
+        search.REPLAY_BUDGET, search.DESCENT_REPLAYS = (scale * d for d in defaults)
     try:
         start = time.perf_counter()
-        found = pipeline_planner.search_splits(sim, budget=budget)
+        found = search.search_splits(sim, budget=budget)
         return found, time.perf_counter() - start
     finally:
-        pipeline_planner.REPLAY_BUDGET, pipeline_planner.DESCENT_REPLAYS = defaults
+        search.REPLAY_BUDGET, search.DESCENT_REPLAYS = defaults
 
 
 def main() -> None:

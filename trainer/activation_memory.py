@@ -6,7 +6,7 @@ microbatch and counts how many microbatches each stage holds at once:
 
 - without pipelining, one microbatch (gradient accumulation runs them one after another);
 - with pipelining, it walks each rank's action list of the schedule (the same lists torch runs,
-  trainer.parallel.schedule_sim): a forward adds the stage's microbatch, the backward that ends
+  trainer.pipeline.simulate): a forward adds the stage's microbatch, the backward that ends
   it frees it: B, or W for schedules that split the backward (the input-gradient pass I keeps the
   graph for W). The peak of the running sum is the rank's estimate.
 
@@ -19,8 +19,6 @@ checkpointing, and custom CSV schedules.
 """
 
 from dataclasses import dataclass
-
-from trainer.parallel.schedule_sim import _flatten
 
 
 @dataclass(frozen=True)
@@ -65,14 +63,10 @@ def part_activations(spec, args, dims, dtype_bytes: int, *, activation_checkpoin
     return PartActivations((per_token.pre, *kept, per_token.post), (0.0, *recompute, 0.0), stage)
 
 
-def rank_actions(ops: list[list]) -> list[tuple[list, set]]:
-    """Each rank's (kind, stage, microbatch) actions in order from torch's lists, and the (stage, microbatch)
-    pairs whose backward is split (their W frees the activations): what ``rank_peaks`` walks."""
-    walked = []
-    for actions in ops:
-        flat = [x for a in actions for x in _flatten(a)]
-        walked.append((flat, {(s, m) for kind, s, m in flat if kind == "W"}))
-    return walked
+def rank_actions(queues: list[list[tuple[str, int, int]]]) -> list[tuple[list, set]]:
+    """Each rank's (kind, stage, microbatch) actions in order (``trainer.pipeline.simulate.lowered``), and the
+    (stage, microbatch) pairs whose backward is split (their W frees the activations): what ``rank_peaks`` walks."""
+    return [(flat, {(s, m) for kind, s, m in flat if kind == "W"}) for flat in queues]
 
 
 def rank_peaks(per_part: PartActivations, counts: list[int] | tuple[int, ...], walked: list[tuple[list, set]],

@@ -27,7 +27,7 @@ SHOWN = 96
 
 
 MEMORY_ENTRY = "memory limit"
-"""Context of a split: the bytes the split search let each rank hold (``trainer.pricing.split_memory_limit``)."""
+"""Context of a split: the bytes the split search let each rank hold (``trainer.pipeline.cost.split_memory_limit``)."""
 
 
 def first_disagreement(everyone: list[dict[str, str]], contexts: list[dict[str, str]] | None = None) -> str | None:

@@ -13,8 +13,8 @@ from trainer.config.schedules import SCHEDULES
 from trainer.config.validate import is_prepared_path, mix_entries, validate_config
 from trainer.errors import UserError
 from trainer.parallel.mesh import DIM_NAMES, EP_DIM_NAMES
-from trainer.parallel.pipeline_planner import Simulator, search_splits
-from trainer.parallel.schedule_sim import program_for, timeline
+from trainer.pipeline.search import Simulator, search_splits
+from trainer.pipeline.simulate import program_for, schedule_text
 from trainer.plan import JobPlan, build_job_plan
 
 DEVICE = "cuda"  # the dry run plans for the job's accelerators: mixed_precision_param "auto" means bf16
@@ -171,7 +171,8 @@ def describe_plan(plan: JobPlan) -> str:
         path = Path(config.job.dump_folder) / "pipeline_schedule.txt"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(timeline(pipeline.schedule, pipeline.pp, plan.n_microbatches, pipeline.stages_per_rank))
+            path.write_text(schedule_text(pipeline.schedule, pipeline.pp, plan.n_microbatches,
+                                          pipeline.stages_per_rank))
         except OSError as e:
             lines.append(f"Schedule timeline (action order per rank) not written: {path}: {e.strerror or e}")
         else:

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from trainer.errors import ConfigError, UserError, one_line
+from trainer.pipeline.simulate import KINDS
 
 USAGE = ("usage: python -m trainer.measure_costs --job.config_file JOB.toml [--section.key value ...] [--device DEVICE]"
          " [--steps N] [--out FILE]")
@@ -151,7 +152,7 @@ def time_whole(model, inputs, labels, loss_fn, *, steps: int, warmup: int = WARM
 
 
 def fit_from_parts(units, measured: dict) -> dict:
-    """The cost file's fit (``pipeline_cost.fit_costs``' shape) from per-part seconds: each kind's block price is
+    """The cost file's fit (``calibrate.fit_costs``' shape) from per-part seconds: each kind's block price is
     its blocks' measured total over their FLOP-model units, pre and post as measured, no per-action cost."""
     import math
 
@@ -171,7 +172,7 @@ def check_fits(plan, config, device, dtype) -> None:
     float32 logits and their gradient."""
     from trainer.activation_memory import part_activations
     from trainer.parallel.dims import ParallelDims
-    from trainer.pricing import activation_sections, device_memory_bytes
+    from trainer.pipeline.cost import activation_sections, device_memory_bytes
 
     batch, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
     tokens = batch * seq
@@ -201,10 +202,9 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     from trainer.models.init import materialize_
     from trainer.models.registry import model_blocks
     from trainer.parallel.ac import apply_ac
-    from trainer.parallel.pipeline_cost import write_cost_file
     from trainer.convert import cast_parameters_
+    from trainer.pipeline.cost import compute_dtype, cost_identity, pipeline_costs, write_cost_file
     from trainer.plan import build_job_plan, degrees_product
-    from trainer.pricing import compute_dtype, cost_identity, pipeline_costs
 
     p = config.parallelism
     for degree, key in ((p.tensor_parallel_degree, "tensor_parallel_degree"),
@@ -252,7 +252,7 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
         raise UserError(f"--out {path}: cannot write it ({one_line(e)[:200]})") from None
     lines = [f"timed {steps} microbatches of {batch} x {config.training.seq_len} tokens on {name}"
              f" ({str(dtype).removeprefix('torch.')}, activation checkpointing {ac.mode}); median ms per microbatch:"]
-    for kind in ("F", "B", "I", "W"):
+    for kind in KINDS:
         v = measured[kind]
         lines.append(f"  {kind}: embedding {1e3 * v[0]:.3f}, a block {1e3 * statistics.fmean(v[1:-1]):.3f}"
                      f" (min {1e3 * min(v[1:-1]):.3f}, max {1e3 * max(v[1:-1]):.3f}),"

@@ -15,8 +15,8 @@ from trainer.dtensor import local_tensor
 from trainer.models.init import materialize_
 from trainer.parallel.mesh import Meshes
 from trainer.parallel.parallelize import build_techniques
-from trainer.parallel.pipeline import build_chunk, build_schedule, manual_stages, trace_pipeline, traced_stages
-from trainer.parallel.pipeline_split import PipelinePlan
+from trainer.pipeline.runtime import build_chunk, build_schedule, manual_stages, trace_pipeline, traced_stages
+from trainer.pipeline.split import PipelinePlan
 from trainer.parallel.technique import Technique
 from trainer.plan import JobPlan
 

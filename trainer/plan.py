@@ -9,6 +9,7 @@ recomputes what it holds.
 """
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,12 +29,12 @@ from trainer.models.registry import ModelLayout
 from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
-from trainer.parallel.pipeline_split import PipelinePlan, build_pipeline_plan
-from trainer.parallel.pipeline_cost import PartCosts
-from trainer.parallel.schedule_sim import bubble_fraction, schedule_ops
 from trainer.parallel.technique import ChunkSetup, PlanFacts
-from trainer.pricing import (BYTES_PER_PARAM, fits_limit, activation_sections, compute_dtype, device_memory_bytes,
-                             loss_gradient_bytes, pipeline_costs, split_memory, split_memory_limit, stage_costs)
+from trainer.pipeline.cost import (BYTES_PER_PARAM, PartCosts, SplitMemory, activation_sections, compute_dtype,
+                                   device_memory_bytes, loss_gradient_bytes, part_flops, part_params, pipeline_costs,
+                                   split_memory_limit, stage_sums)
+from trainer.pipeline.simulate import bubble_fraction, lowered, schedule_ops
+from trainer.pipeline.split import PipelinePlan, build_pipeline_plan
 
 logger = logging.getLogger(__name__)
 # byte tokens + trainer.data.tokenizer.NUM_SPECIAL (not imported: the launcher stays light)
@@ -136,8 +137,7 @@ class JobPlan:
         if pipeline.traits.from_file:
             return "not modelled for CSV schedules"
         ops = schedule_ops(pipeline.schedule, pipeline.pp, self.n_microbatches, pipeline.stages_per_rank)
-        counts = [len(s.blocks) for s in pipeline.stages]
-        return rank_peaks(per_part, counts, rank_actions(ops), self.microbatch_size * self.seq_len)
+        return rank_peaks(per_part, pipeline.counts, rank_actions(lowered(ops)[0]), self.microbatch_size * self.seq_len)
 
     def loss_gradient_bytes(self) -> float:
         """What the loss's backward allocates beside the kept activations, on the rank that computes the loss, at
@@ -291,12 +291,16 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
         n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
         device = device_type() if check_memory else DRY_RUN_DEVICE
         limit = split_memory_limit(p, check_memory)
-        pipeline = build_pipeline_plan(
-            p, whole, layout, seq_len=t.seq_len,
-            n_microbatches=n_micro, costs=lambda: pipeline_costs(config, spec, args, whole, dims, device),
-            fits=None if limit is None else fits_limit(split_memory(config, spec, args, whole, dims, device, n_micro),
-                                                  limit))
-    stage_params, stage_flops = stage_costs(whole, layout, pipeline, t.seq_len)
+        memory = SplitMemory(config, spec, args, whole, dims, device, n_micro, limit)
+        pipeline = build_pipeline_plan(p, whole, layout, seq_len=t.seq_len, n_microbatches=n_micro,
+                                       costs=functools.partial(pipeline_costs, config, spec, args, whole, dims, device),
+                                       fits=None if limit is None else memory.fits)
+    # Parameters and forward FLOPs/token per stage (a tied weight counts on the first and last stages: each holds it)
+    flops = [mm + attn for mm, attn in part_flops(whole, layout, seq_len=t.seq_len)]
+    counts = (len(flops) - 2,) if pipeline is None else pipeline.counts
+    stage_params = (num_params,) if pipeline is None else tuple(round(x) for x in stage_sums(part_params(whole, layout),
+                                                                                             counts))
+    stage_flops = tuple(stage_sums(flops, counts))
     plan = JobPlan(
         config=config, dims=dims, spec=spec, model_args=args, num_params=num_params,
         flops_per_token=spec.flops_per_token(args, t.seq_len), tp_plan=tp_plan, pipeline=pipeline,
@@ -308,8 +312,7 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
         _check_state_memory(plan)
     if pipeline is not None and pipeline.search is None and p.pipeline_parallel_memory_limit_gib:
         # a split the user gave (or an even/FLOP-balanced one) is not searched: its ranks are still held to the limit
-        rank_bytes = split_memory(config, spec, args, whole, dims, device, n_micro)(
-            pipeline.counts, [pipeline.stage_ids(r) for r in range(dims.pp)])
+        rank_bytes = memory.rank_bytes(pipeline.counts, [pipeline.stage_ids(r) for r in range(dims.pp)])
         if max(rank_bytes) > limit:
             worst = max(range(dims.pp), key=lambda r: rank_bytes[r])
             logger.warning("[parallelism] pipeline_parallel_memory_limit_gib = %g: the split %s puts %.2f GiB on pp"

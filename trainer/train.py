@@ -39,10 +39,10 @@ from trainer.model_parts import ModelParts, build_model_parts, summed_loss
 from trainer.optim import ChunkOptimizers
 from trainer.parallel.clip import clip_grad_norm_
 from trainer.parallel.mesh import Meshes, all_reduce_sum, build_meshes, init_distributed, set_train_timeout
-from trainer.parallel.pipeline import run_schedule, schedule_stages, wrap_schedule_loss
-from trainer.parallel.schedule_sim import Program, program_for
+from trainer.pipeline.runtime import run_schedule, schedule_stages, wrap_schedule_loss
+from trainer.pipeline.simulate import Program, program_for
 from trainer.plan import JobPlan, build_job_plan
-from trainer.pricing import split_memory_limit
+from trainer.pipeline.cost import split_memory_limit
 from trainer.profiling import PipelineTimeline, SavedActivationMeter, StepProfiler
 from trainer.watchdog import Watchdog
 
@@ -261,8 +261,8 @@ def build_trainer(plan: JobPlan, device: torch.device, reporting: bool) -> Train
 
 def build_calibration(plan: JobPlan, device: torch.device, folder: Path, program: Program):
     """What a timed pipeline run of ``program`` compares its measurements with, and how it writes its cost file."""
-    from trainer.parallel.pipeline_calibration import Calibration
-    from trainer.pricing import cost_identity, pipeline_costs
+    from trainer.pipeline.calibrate import Calibration
+    from trainer.pipeline.cost import cost_identity, pipeline_costs
 
     pipeline = plan.pipeline
     whole = plan.build_model()

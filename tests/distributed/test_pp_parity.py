@@ -13,7 +13,7 @@ from tests.conftest import load_plan
 from tests.distributed.harness import VARLEN, Launches, P, PARITY, selected
 from tests.parity import assert_parity, record
 from trainer.config import load_config
-from trainer.parallel.schedule_sim import schedule_ops
+from trainer.pipeline.simulate import schedule_ops
 
 TIED = "--model.tie_embeddings"
 
@@ -201,8 +201,8 @@ def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float 
     import dataclasses
 
     from trainer.activation_memory import part_activations, rank_actions, rank_peaks
-    from trainer.pricing import activation_sections
-    from trainer.parallel.schedule_sim import schedule_ops
+    from trainer.pipeline.cost import activation_sections
+    from trainer.pipeline.simulate import lowered, schedule_ops
 
     parts = part_activations(plan.spec, plan.model_args, plan.dims, 4, **activation_sections(plan.config))
     p = plan.pipeline
@@ -212,7 +212,7 @@ def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float 
         assert upper == pytest.approx(plan.activation_peaks("cpu"), rel=1e-12)
         _check_between(measured, lower, upper, nproc, 1, rel)
         return
-    ops = rank_actions(schedule_ops(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank))
+    ops = rank_actions(lowered(schedule_ops(p.schedule, p.pp, plan.n_microbatches, p.stages_per_rank))[0])
     tokens = plan.config.parallelism.pipeline_parallel_microbatch_size * plan.config.training.seq_len
     if plan.config.activation_checkpoint.mode != "none":
         full = rank_peaks(parts, [len(s.blocks) for s in p.stages], ops, tokens)
@@ -238,11 +238,10 @@ def check_timeline(path, schedule, *, pp, n_micro):
     actions never overlap in time."""
     import json
 
-    from trainer.parallel.schedule_sim import _flatten, schedule_ops
+    from trainer.pipeline.simulate import lowered, schedule_ops
 
     trace = json.loads(path.read_text())
-    expected = [sorted(f"{s}{k}{m}" for a in rank for k, s, m in _flatten(a))
-                for rank in schedule_ops(schedule, pp, n_micro, 2)]
+    expected = [sorted(f"{s}{k}{m}" for k, s, m in q) for q in lowered(schedule_ops(schedule, pp, n_micro, 2))[0]]
     for rank in range(pp):
         spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace["traceEvents"]
                        if e["ph"] == "X" and e["pid"] == rank)

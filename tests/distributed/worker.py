@@ -120,14 +120,14 @@ def inject_fault(name: str) -> None:
         # second-best split
         if os.environ.get("RANK") == "1":
             if name == "smaller_device_on_rank1":
+                import trainer.pipeline.cost as cost
                 import trainer.plan
-                import trainer.pricing
 
-                real_memory = trainer.pricing.device_memory_bytes
-                trainer.plan.device_memory_bytes = trainer.pricing.device_memory_bytes = lambda: real_memory() // 2
+                real_memory = cost.device_memory_bytes
+                trainer.plan.device_memory_bytes = cost.device_memory_bytes = lambda: real_memory() // 2
             import dataclasses
 
-            import trainer.parallel.pipeline_split as split
+            import trainer.pipeline.split as split
 
             real = split.search_splits
 

@@ -229,8 +229,8 @@ def test_the_planner_benchmark_alternates_every_splits_steps(tmp_path, monkeypat
         assert n == len(errors), low
         assert mean == pytest.approx(statistics.mean(errors)) if errors else mean != mean, low
     # the memory model's column: the FLOP model at the block's one-device FLOP rate with the bytes at 5 GB/s
-    from trainer.parallel.pipeline_planner import Simulator
-    from trainer.parallel.schedule_sim import program_for
+    from trainer.pipeline.search import Simulator
+    from trainer.pipeline.simulate import program_for
 
     job = report["job"] + ["--parallelism.pipeline_parallel_device_tflops", "1"]
     flops = statistics.fmean(load_plan(job).pipeline_costs.parts["F"][1:-1])

@@ -103,7 +103,7 @@ def test_the_loss_gradient_term_is_the_peak_the_loss_backward_allocates():
     from torch.utils._pytree import tree_leaves
 
     from trainer.loss import cross_entropy_sum
-    from trainer.pricing import LOSS_GRADIENT_BYTES
+    from trainer.pipeline.cost import LOSS_GRADIENT_BYTES
 
     class Allocations(TorchDispatchMode):
         def __init__(self):

@@ -93,7 +93,7 @@ LAYERS = [
     ["trainer.models"],
     ["trainer.parallel", "trainer.hf", "trainer.hub"],
     ["trainer.data", "trainer.activation_memory"],
-    ["trainer.pricing"],
+    ["trainer.pipeline"],
     ["trainer.plan"],
     ["trainer.dry_run", "trainer.model_parts", "trainer.checkpoint", "trainer.metrics", "trainer.optim",
      "trainer.profiling"],
@@ -178,10 +178,10 @@ TORCH_SEAMS = {
     "DeviceMesh._flatten": "parallel/mesh.py",
     "torch.distributed.pipelining.schedules._PipelineSchedule, _PipelineScheduleRuntime, _load_csv, _stage, _stages,"
     " _loss_fn":
-        "parallel/pipeline.py",
-    "torch.distributed.pipelining.stage._PipelineStage, _get_init_p2p_neighbors_ops": "parallel/pipeline.py",
-    "nn.Module._non_persistent_buffers_set, nn.modules._BatchNorm, _DropoutNd": "parallel/pipeline.py",
-    "torch.distributed.pipelining._schedule_visualizer": "parallel/schedule_sim.py",
+        "pipeline/runtime.py",
+    "torch.distributed.pipelining.stage._PipelineStage, _get_init_p2p_neighbors_ops": "pipeline/runtime.py",
+    "nn.Module._non_persistent_buffers_set, nn.modules._BatchNorm, _DropoutNd": "pipeline/runtime.py",
+    "torch.distributed.pipelining._schedule_visualizer": "pipeline/simulate.py",
     "torch.utils._python_dispatch, Tensor._base": "profiling/activations.py",
     "torch.cuda.memory._record_memory_history, _dump_snapshot": "profiling/steps.py",
 }

@@ -11,7 +11,8 @@ from torch import nn
 
 from trainer import measure_costs
 from tests.unit.test_profiling import Sleep  # the input's path: sleeps fwd in the forward, bwd in the backward
-from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs
+from trainer.pipeline.cost import PartCosts, calibrated_costs
+from trainer.pipeline.simulate import KINDS
 
 
 class WeightSleep(torch.autograd.Function):

@@ -204,7 +204,7 @@ def test_flops_count_active_parameters_only():
 
 
 def test_pipeline_cost_model_counts_the_chosen_experts_only():
-    from trainer.parallel.pipeline_split import module_costs
+    from trainer.pipeline.split import module_costs
 
     with torch.device("meta"):
         model = SPEC.model_cls(TINY)

@@ -12,12 +12,12 @@ import pytest
 from tests.conftest import load_plan
 from trainer.dry_run import describe_plan
 from trainer.errors import ConfigError
-from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, flop_costs
-from trainer.parallel import pipeline_planner as planner
-from trainer.parallel.pipeline_planner import Simulator, search_splits
-from trainer.parallel.schedule_sim import program_for
+from trainer.pipeline.calibrate import fit_costs
+from trainer.pipeline.cost import PartCosts, SplitMemory, calibrated_costs, flop_costs
+from trainer.pipeline import search as planner
+from trainer.pipeline.search import Simulator, search_splits
+from trainer.pipeline.simulate import KINDS, program_for
 from trainer.plan import JobPlan
-from trainer.pricing import split_memory
 
 PP2_ZBV = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 
@@ -229,8 +229,8 @@ def test_the_planners_memory_check_is_the_dry_runs_memory_table(tmp_path, schedu
     plan = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                       schedule, "--model.overrides.vocab_size", "100000", "--job.dump_folder", str(tmp_path)],
                      check_memory=False)
-    rank_bytes = split_memory(plan.config, plan.spec, plan.model_args, plan.build_model(), plan.dims, "cuda",
-                              plan.n_microbatches)
+    rank_bytes = SplitMemory(plan.config, plan.spec, plan.model_args, plan.build_model(), plan.dims, "cuda",
+                             plan.n_microbatches).rank_bytes
     table = describe_plan(plan).split("total GiB\n")[1].splitlines()[1:3]
     totals = [line.split()[-1] for line in table]
     loss = [line.split()[-2] for line in table]
@@ -244,7 +244,8 @@ def test_a_memory_limit_forces_another_split():
     split that fits; without the limit it picks the other one."""
     free = load_plan(PP2_ZBV)
     whole = free.build_model()
-    rank_bytes = split_memory(free.config, free.spec, free.model_args, whole, free.dims, "cuda", free.n_microbatches)
+    rank_bytes = SplitMemory(free.config, free.spec, free.model_args, whole, free.dims, "cuda",
+                             free.n_microbatches).rank_bytes
     placement = [free.pipeline.stage_ids(r) for r in range(2)]
     need = max(rank_bytes(free.pipeline.counts, placement))
     limit_gib = need * 0.999 / 2**30
@@ -312,7 +313,7 @@ def test_memory_traffic_prices_the_loss_and_the_embeddings_gradient_by_their_byt
     from torch import nn
 
     from trainer.models.registry import ModelLayout
-    from trainer.parallel.pipeline_cost import memory_bytes
+    from trainer.pipeline.cost import memory_bytes
 
     model = nn.Module()
     model.tok_embeddings, model.pos = nn.Embedding(10, 4), nn.Embedding(3, 4)
@@ -494,7 +495,7 @@ def test_a_cost_file_of_another_job_or_no_cost_file_is_one_line(tmp_path):
         load_plan(PP2_ZBV + ["--parallelism.pipeline_parallel_cost_file", str(tmp_path / "missing.json")])
     other = tmp_path / "other.json"
     plan = load_plan(PP2_ZBV)
-    from trainer.pricing import cost_identity
+    from trainer.pipeline.cost import cost_identity
 
     identity = cost_identity(plan.config, plan.model_args.n_layers, 1, 1) | {"seq_len": 512}
     other.write_text(json.dumps({"version": 1, "job": identity, "measured": {}, "fit": {}}))
@@ -542,7 +543,7 @@ BAD_COST_FILES = {  # the file's content -> the words of its one line
 
 @pytest.mark.parametrize("case", list(BAD_COST_FILES))
 def test_a_malformed_cost_file_is_one_line_naming_the_entry(case, tmp_path):
-    from trainer.pricing import cost_identity
+    from trainer.pipeline.cost import cost_identity
 
     plan = load_plan(PP2_ZBV)
     identity = cost_identity(plan.config, plan.model_args.n_layers, 1, 1)
@@ -557,7 +558,7 @@ def test_a_malformed_cost_file_is_one_line_naming_the_entry(case, tmp_path):
 
 def test_the_well_formed_cost_file_of_these_cases_plans():
     """The cases above differ from this file by one entry each."""
-    from trainer.pricing import cost_identity
+    from trainer.pipeline.cost import cost_identity
 
     plan = load_plan(PP2_ZBV)
     import tempfile
@@ -590,7 +591,7 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
     dry run with it predicts in seconds, and the measured split's step equals the replay of those seconds."""
     import torch
 
-    from trainer.parallel.schedule_sim import program_for
+    from trainer.pipeline.simulate import program_for
     from trainer.train import build_calibration
 
     plan = load_plan(PP2_ZBV)
@@ -656,7 +657,7 @@ def test_a_timed_run_writes_costs_that_a_dry_run_plans_with(tmp_path):
 def test_the_transfer_time_is_fitted_to_the_measured_span():
     """A step simulated with a known transfer time: the fit finds that time from the step's length alone,
     and a span no longer than the compute gives no transfer time."""
-    from trainer.parallel.pipeline_calibration import fit_transfer
+    from trainer.pipeline.calibrate import fit_transfer
 
     costs = random_costs(random.Random(3), 6)
     program = program_for("ZBVZeroBubble", 2, 8, 2)
@@ -678,12 +679,12 @@ def splits_of(n: int, stages: int) -> list[tuple[int, ...]]:
 def test_a_csv_schedule_is_planned_by_its_own_actions(tmp_path):
     """torch's Interleaved1F1B and InterleavedZeroBubble written out as CSVs: the planner chooses for each the split it
     chooses for the named schedule, with the same predicted step, and the two orders predict different steps."""
-    from trainer.parallel.schedule_sim import _flatten, schedule_ops
+    from trainer.pipeline.simulate import lowered, schedule_ops
 
     base = ["--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path)]
     steps = {}
     for schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
-        rows = [[f"{s}{k}{m}" for a in rank for k, s, m in _flatten(a)] for rank in schedule_ops(schedule, 2, 8, 2)]
+        rows = [[f"{s}{k}{m}" for k, s, m in q] for q in lowered(schedule_ops(schedule, 2, 8, 2))[0]]
         path = tmp_path / f"{schedule}.csv"
         path.write_text("\n".join(",".join(r) for r in rows) + "\n")
         named = load_plan(base + ["--parallelism.pipeline_parallel_schedule", schedule])
@@ -817,11 +818,11 @@ def test_compare_schedules_refuses_exactly_what_each_schedules_own_plan_refuses(
              "csv schedule": [], "planner's own split": []}[case]
     configured = []
     if case == "csv schedule":
-        from trainer.parallel.schedule_sim import _flatten, schedule_ops
+        from trainer.pipeline.simulate import lowered, schedule_ops
 
         path = tmp_path / "interleaved.csv"
-        path.write_text("\n".join(",".join(f"{s}{k}{m}" for a in rank for k, s, m in _flatten(a))
-                                  for rank in schedule_ops("Interleaved1F1B", 2, 8, 2)) + "\n")
+        path.write_text("\n".join(",".join(f"{s}{k}{m}" for k, s, m in q)
+                                  for q in lowered(schedule_ops("Interleaved1F1B", 2, 8, 2))[0]) + "\n")
         configured = ["--parallelism.pipeline_parallel_schedule_csv", str(path)]
     plan = load_plan(base + given + configured, check_memory=False)
     lines = compare_schedules(plan, 2)

@@ -9,9 +9,10 @@ from tests.conftest import load_plan
 from trainer.dry_run import describe_plan
 from trainer.errors import ConfigError
 from trainer.models import get_model_spec
-from trainer.parallel.pipeline_planner import Simulator, search_splits
-from trainer.parallel.pipeline_split import balanced_split, module_costs, stage_costs
-from trainer.parallel.schedule_sim import bubble_fraction, check_csv, program_for, timeline
+from trainer.pipeline.search import Simulator, search_splits
+from trainer.pipeline.cost import stage_sums
+from trainer.pipeline.simulate import bubble_fraction, check_csv, program_for, schedule_text
+from trainer.pipeline.split import balanced_split, module_costs
 
 LLAMA = get_model_spec("llama3")
 
@@ -42,8 +43,8 @@ def test_cost_balanced_split_beats_even_split_on_8b(stages, mode):
     pre, blocks, post = module_costs(plan.build_model(), plan.layout, mode=mode, seq_len=8192)
     even = [32 // stages] * stages
     balanced = balanced_split(pre, blocks, post, stages)
-    even_costs = stage_costs(pre, blocks, post, even)
-    balanced_costs = stage_costs(pre, blocks, post, balanced)
+    even_costs = stage_sums([pre, *blocks, post], even)
+    balanced_costs = stage_sums([pre, *blocks, post], balanced)
     print(f"\n8B {mode} on {stages} stages")
     print("  even     ", even, [f"{c:.3g}" for c in even_costs], f"max/mean {imbalance(even_costs):.3f}")
     print("  balanced ", balanced, [f"{c:.3g}" for c in balanced_costs], f"max/mean {imbalance(balanced_costs):.3f}")
@@ -59,7 +60,7 @@ def test_balanced_split_is_optimal_on_a_small_case():
     # alone or with 5 (11), so the optimum is 9: [3+1+2+3 | 4+5 | 6].
     counts = balanced_split(3.0, [1, 2, 3, 4, 5, 6], 0.0, 3)
     assert counts == [3, 2, 1]
-    assert stage_costs(3.0, [1, 2, 3, 4, 5, 6], 0.0, counts) == [9.0, 9.0, 6.0]
+    assert stage_sums([3.0, 1, 2, 3, 4, 5, 6, 0.0], counts) == [9.0, 9.0, 6.0]
 
 
 def test_even_mode_with_embedding_and_output_weights():
@@ -173,7 +174,7 @@ def test_bubble_of_hand_worked_single_stage_cases(schedule, m, expected):
 
 def _independent_bubble(schedule: str, p: int, m: int, v: int) -> float:
     """Bubble from torch's action lists by a longest path through the dependency graph (recursion
-    over finish times), written apart from schedule_sim's greedy replay."""
+    over finish times), written apart from simulate.replay."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     cost = {"F": 1.0 / v, "B": 2.0 / v, "I": 1.0 / v, "W": 1.0 / v}  # a stage holds 1/v of a rank's layers
@@ -235,11 +236,11 @@ def test_an_overlapped_pairs_outputs_leave_its_rank_when_the_pair_is_done():
     rank 0 0F0 [0, 1]; rank 1 1F0 [1, 2], 1B0 [2, 4]; rank 0 0F1 [1, 2], then 0B0 waits for 1B0: [4, 6], and only
     then is 0F1's output sent: rank 1 1F1 [6, 7], 1B1 [7, 9]; rank 0 0B1 [9, 11]. Sent as soon as made, 1F1 would
     start at 4 and the step end at 9."""
-    from trainer.parallel.schedule_sim import compile_program, replay
+    from trainer.pipeline.simulate import compile_program, replay
 
     queues = [[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)],
               [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1)]]
-    table = [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]  # KIND_INDEX order: F, B, I, W
+    table = [[1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0]]  # KINDS order: F, B, I, W
     paired = compile_program(queues, 2, {("F", 0, 1): ("B", 0, 0)})
     spans: list = []
     assert replay(paired, table, spans=spans)[0] == 11.0
@@ -251,15 +252,15 @@ def test_dualpipev_is_replayed_with_each_pairs_sends_after_the_pair():
     """torch's own DualPipeV lists (pp 2 and 4): with a backward ten times a forward and a transfer of 0.5, every input
     that a pair's forward or backward makes for another rank is used no sooner than 0.5 after the pair's last action
     ends, and the step is longer than with every input sent when made (the rule changes the replay)."""
-    from trainer.parallel.schedule_sim import KIND_INDEX, _queues, compile_program, replay
+    from trainer.pipeline.simulate import KINDS, compile_program, lowered, replay, schedule_ops
 
     for pp, m in ((2, 8), (4, 8)):
-        queues, sent_after = _queues("DualPipeV", pp, m, 2)
+        queues, sent_after = lowered(schedule_ops("DualPipeV", pp, m, 2))
         assert sent_after and all(x[0] == "F" and last[0] in "BI" or x[0] in "BI" and last[0] == "F"
                                   for x, last in sent_after.items())  # a pair is a forward and a backward
         program = program_for("DualPipeV", pp, m, 2)
         cost = {"F": 1.0, "B": 10.0, "I": 5.0, "W": 5.0}
-        table = [[cost[k]] * (2 * pp) for k in KIND_INDEX]
+        table = [[cost[k]] * (2 * pp) for k in KINDS]
         spans: list = []
         step = replay(program, table, 0.5, spans)[0]
         assert step > replay(compile_program(queues, 2 * pp), table, 0.5)[0], pp
@@ -276,7 +277,7 @@ def test_dualpipev_is_replayed_with_each_pairs_sends_after_the_pair():
 @pytest.mark.parametrize("schedule", ["DualPipeV", "ZBVZeroBubble", "Interleaved1F1B"])
 def test_the_replay_sends_each_output_where_torchs_lowering_sends_it(schedule):
     """The rule against torch itself: in torch's own lowered lists (compute and communication), each SEND follows
-    some compute action on its rank; for every output sent to another rank, that action is the one ``_lowered``
+    some compute action on its rank; for every output sent to another rank, that action is the one ``lowered``
     says (the pair's last for an action run in an overlapped pair, the action itself otherwise). Fails if torch
     moves its sends, where the replay would be wrong again."""
     import inspect
@@ -284,14 +285,14 @@ def test_the_replay_sends_each_output_where_torchs_lowering_sends_it(schedule):
     import torch
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    from trainer.parallel.schedule_sim import _flatten, _lowered, schedule_ops
+    from trainer.pipeline.simulate import lowered, schedule_ops
 
     if "with_comms" not in inspect.signature(get_schedule_ops).parameters:
         pytest.skip(f"torch {torch.__version__}'s get_schedule_ops has no with_comms parameter, so its own lowered"
                     " lists cannot be read here; the replay's rule is still checked by the hand-worked and DualPipeV"
                     " tests")
     for pp in (2, 4):
-        queues, sent_after = _lowered(schedule_ops(schedule, pp, 8, 2))
+        queues, sent_after = lowered(schedule_ops(schedule, pp, 8, 2))
         made = {a for q in queues for a in q}
         after: dict[tuple, tuple] = {}  # an output sent to another rank -> the compute action its SEND follows
         for rank_ops in get_schedule_ops(schedule, pp, 8, num_stages_per_rank=2, with_comms=True):
@@ -299,7 +300,7 @@ def test_the_replay_sends_each_output_where_torchs_lowering_sends_it(schedule):
             for a in rank_ops:
                 if a is None:
                     continue
-                if flat := _flatten(a):
+                if flat := lowered([[a]])[0][0]:
                     last = flat[-1]
                 elif a.computation_type.name in ("SEND_F", "SEND_B"):
                     kinds = "F" if a.computation_type.name == "SEND_F" else "BI"
@@ -319,7 +320,7 @@ def test_interleaving_divides_the_fill_and_drain(p, m):
 
 
 def test_timeline_lists_every_action():
-    text = timeline("ZBVZeroBubble", 2, 4, 2)
+    text = schedule_text("ZBVZeroBubble", 2, 4, 2)
     rank0 = text.splitlines()[0].split()[2:]
     assert rank0[:3] == ["0F0", "0F1", "0F2"] and len(rank0) == 2 * 3 * 4  # 2 stages x (F, I, W) x 4
 
@@ -381,11 +382,11 @@ def test_csv_schedules_torch_cannot_run_are_refused(tmp_path, text, placement, w
 ])
 def test_every_torch_schedule_written_as_csv_passes_the_check(tmp_path, schedule, pp, n_micro, per_rank):
     """The check accepts what torch itself generates (written out as compute-only CSV rows)."""
-    from trainer.parallel.schedule_sim import _flatten, schedule_ops
+    from trainer.pipeline.simulate import lowered, schedule_ops
 
     ops = schedule_ops(schedule, pp, n_micro, per_rank)
     # idle slots (None) written as empty cells, as torch's own CSV writer does
-    rows = [",".join(cell for a in rank for cell in ([f"{s}{k}{m}" for k, s, m in _flatten(a)] if a else [""]))
+    rows = [",".join(cell for a in rank for cell in ([f"{s}{k}{m}" for k, s, m in lowered([[a]])[0][0]] if a else [""]))
             for rank in ops]
     path = tmp_path / "s.csv"
     path.write_text("\n".join(rows) + "\n")
@@ -499,8 +500,8 @@ def test_the_manual_front_end_refuses_blocks_it_cannot_delete():
 def test_a_model_torch_cannot_trace_stops_with_one_line():
     from torch import nn
 
-    from trainer.parallel.pipeline import trace_pipeline
-    from trainer.parallel.pipeline_split import PipelinePlan, Stage
+    from trainer.pipeline.runtime import trace_pipeline
+    from trainer.pipeline.split import PipelinePlan, Stage
 
     class Branchy(nn.Module):  # control flow on a tensor's value: torch.export cannot trace it
         def __init__(self):
@@ -524,7 +525,7 @@ def test_traced_stages_hold_the_planned_blocks_under_whole_model_names(family, l
     """Tracing cuts where the plan says, keeps the model's parameter names, and the stages chained
     compute the whole model's output."""
     from trainer.models.init import materialize_
-    from trainer.parallel.pipeline import trace_pipeline
+    from trainer.pipeline.runtime import trace_pipeline
 
     plan = load_plan(pp(2, *TRACER, "--model.modules", "seq_gpt", "--model.name", family, "--model.flavor",
                         "tiny" if family == "seq_gpt" else "debugmodel", "--model.overrides.n_layers", "4",
@@ -565,7 +566,7 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.device_mesh import init_device_mesh
 from tests.conftest import load_plan
 from trainer.models.init import materialize_
-from trainer.parallel.pipeline import trace_pipeline, traced_stages
+from trainer.pipeline.runtime import trace_pipeline, traced_stages
 plan = load_plan(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_frontend", "tracer",
                   "--model.attn_mask_type", "causal", "--training.seq_len", "16"], world_size=2)
 whole = plan.build_model()
@@ -611,8 +612,8 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage
-from trainer.parallel.pipeline import manual_stages
-from trainer.parallel.pipeline_split import PipelinePlan, Stage
+from trainer.pipeline.runtime import manual_stages
+from trainer.pipeline.split import PipelinePlan, Stage
 plan = PipelinePlan((Stage(0, ("0",), True, False), Stage(1, ("1",), False, True)), 1, "ZBVZeroBubble", "v")
 stages = manual_stages(plan, [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], [0, 1],
                        pp_mesh=init_device_mesh("cpu", (1,)), device=torch.device("cpu"))
@@ -637,8 +638,8 @@ def test_manual_stages_warm_up_no_link_to_their_own_rank():
 def test_modules_that_change_in_evaluation_are_refused_by_the_tracer():
     from torch import nn
 
-    from trainer.parallel.pipeline import trace_pipeline
-    from trainer.parallel.pipeline_split import PipelinePlan, Stage
+    from trainer.pipeline.runtime import trace_pipeline
+    from trainer.pipeline.split import PipelinePlan, Stage
 
     model = nn.Module()
     model.layers = nn.ModuleDict({"0": nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)), "1": nn.Linear(4, 4)})

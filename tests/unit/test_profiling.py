@@ -127,7 +127,7 @@ def test_profiler_window_must_fit_its_period():
 def test_simulated_spans_give_the_expected_bubble(schedule, pp, m, per_rank):
     """The drawn simulation is the one the bubble comes from; for one stage per rank it is built
     here (torch's action lists for those are not usable), so check it against fill-and-drain."""
-    from trainer.parallel.schedule_sim import bubble_fraction, simulated_spans
+    from trainer.pipeline.simulate import bubble_fraction, simulated_spans
 
     spans = simulated_spans(schedule, pp, m, per_rank)
     assert len(spans) == pp * per_rank * m * (3 if schedule == "ZBVZeroBubble" else 2)
@@ -170,7 +170,7 @@ REPLAYED = [(0, "F", 0, 0, 0.0, 10.0), (1, "F", 1, 0, 10.0, 20.0), (1, "B", 1, 0
 
 
 def test_timeline_picture_has_a_box_per_action_measured_and_simulated():
-    from trainer.parallel.schedule_sim import simulated_spans
+    from trainer.pipeline.simulate import simulated_spans
 
     trace, _ = merge_timeline(MEASURED, step=1)
     in_us = [(r, kind, stage, mb, 10 * start, 10 * end)
@@ -250,7 +250,7 @@ def test_replay_with_measured_action_times_follows_the_schedule_order():
     """1F1B on 2 ranks, 2 microbatches, stage 0 F=1 B=2, stage 1 F=3 B=6 (by hand):
     rank 0 runs F0 [0,1], F1 [1,2], then waits for stage 1's backward of mb 0; rank 1 runs
     F0 [1,4], B0 [4,10], F1 [10,13], B1 [13,19]; rank 0's B0 [10,12] and B1 [19,21]: span 21."""
-    from trainer.parallel.schedule_sim import program_for, replayed_span
+    from trainer.pipeline.simulate import program_for, replayed_span
 
     one_f_one_b = lambda m: program_for("1F1B", 2, m, 1)  # noqa: E731
     measured = [("F", 0, 1.0), ("B", 0, 2.0), ("F", 1, 3.0), ("B", 1, 6.0)]
@@ -273,7 +273,7 @@ def test_a_trace_the_replay_cannot_use_is_still_written(tmp_path):
     timeline is written without a model span instead of ending the run."""
     stage = FakeStage()
     stage.stage_index = 0
-    from trainer.parallel.schedule_sim import program_for
+    from trainer.pipeline.simulate import program_for
 
     timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True, program=program_for("1F1B", 2, 2, 1))
     timeline.attach([stage])
@@ -293,7 +293,7 @@ def test_the_loss_after_the_last_stages_forward_is_timed_as_part_of_it(tmp_path)
             time.sleep(0.06)
             return 0.0
 
-    from trainer.parallel.pipeline import wrap_schedule_loss
+    from trainer.pipeline.runtime import wrap_schedule_loss
 
     stage, schedule = FakeStage(), Schedule()
     timeline = PipelineTimeline([1], tmp_path, rank=0, pp_rank=0, writer=True)

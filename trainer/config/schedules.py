@@ -61,4 +61,11 @@ def traits_of(name: str) -> ScheduleTraits:
     """The traits of a plan's schedule name (a table row, or ``CSV_NAME``)."""
     return CSV if name == CSV_NAME else SCHEDULES[name]
 
+
+def schedule_traits(parallelism) -> tuple[str, ScheduleTraits]:
+    """(schedule name or ``CSV_NAME``, its traits) of a ``[parallelism]`` section."""
+    name = CSV_NAME if parallelism.pipeline_parallel_schedule_csv else parallelism.pipeline_parallel_schedule
+    return name, traits_of(name)
+
+
 ScheduleName = Literal[tuple(SCHEDULES)]  # type: ignore[valid-type]

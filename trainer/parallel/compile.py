@@ -33,7 +33,7 @@ class Compile(Technique):
                               " supported yet (torch.compile of tensor-parallel blocks fails in torch's DTensor"
                               " tracing); set [compile] enable = false")
         if facts.dims.pp > 1:
-            from trainer.parallel.pipeline_split import schedule_traits
+            from trainer.config.schedules import schedule_traits
 
             name, traits = schedule_traits(facts.parallelism)
             if traits.split_backward:

@@ -15,7 +15,7 @@ from trainer.parallel.cp import ContextParallel
 from trainer.parallel.ddp import PlainDDP
 from trainer.parallel.ep import ExpertParallel
 from trainer.parallel.fsdp import FullyShardedDataParallel
-from trainer.parallel.pipeline_split import PipelineParallel
+from trainer.parallel.pp import PipelineParallel
 from trainer.parallel.technique import ChunkSetup, PlanFacts, Technique
 from trainer.parallel.tp import TensorParallel
 

@@ -1,27 +1,7 @@
-"""Measured pipeline timelines: when each schedule action ran on each rank, as a Chrome/Perfetto trace.
-
-For the steps in ``[profiling] pipeline_timeline_steps``, every rank records the start and end of
-each compute action its PipelineStages run (forward F, full backward B, input gradient I,
-weight gradient W; stage and microbatch) on the wall clock, which the processes of one machine
-share (across nodes it is as good as their clock synchronisation). The last stage's forward
-includes the loss the schedule computes right after it: that is the stage's work, not idle time.
-After the step each rank writes its actions; the reporting rank merges them into
-``<dump>/<save_traces_folder>/pipeline_timeline_step<N>.json`` (open it in https://ui.perfetto.dev
-or chrome://tracing: one row per rank) and logs the measured bubble of each pipeline rank: the
-share of the step's pipeline span (first action start to last action end, over all ranks) in
-which that rank ran no action. Waiting for point-to-point transfers shows as gaps.
-
-Given the chunks' block container (``attach(..., layers_attr=...)``), every stage's actions also record
-when each of their blocks begins and ends: a forward's lead runs until its first block starts and its
-tail after its last block ends; a backward's tail runs until the gradient reaches its last block's
-output, each block's backward until the gradient reaches its input, and its lead after that of the
-first block. On the first stage the lead holds the embedding, on the last the tail holds the output
-projection and the loss; elsewhere they are what every action costs besides its blocks (receiving,
-sending, the schedule's bookkeeping). The trace carries each action's lead, tail and block times; the
-calibration prices the blocks, that per-action cost and the two own parts each from its own times
-instead of dividing a stage's time by the FLOP model (which prices the embedding's gradient, the loss
-and the per-action cost at nothing), and reports each pipeline rank's time per block.
-"""
+"""Measured pipeline timelines (``[profiling] pipeline_timeline_steps``): each rank records when each compute
+action of its stages ran, and when each block began and ended inside it; the reporting rank merges every rank's
+into a Chrome/Perfetto trace and a picture, logs each pipeline rank's measured bubble and hands the actions to the
+calibration. docs/pipeline.md, "Measured timeline", describes the trace and its parts (lead, blocks, tail)."""
 
 import json
 import logging
@@ -30,6 +10,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from trainer.pipeline.simulate import KIND_NAMES, KINDS, replayed_span
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +24,10 @@ class PipelineTimeline:
 
     def __init__(self, steps: list[int], folder: Path, *, rank: int, pp_rank: int, writer: bool,
                  program=None, sync: bool = False, calibration=None):
-        """``program`` (a ``schedule_sim.Program``, the schedule's action lists): replayed with the
+        """``program`` (a ``simulate.Program``, the schedule's action lists): replayed with the
         measured action times and drawn under the measured timeline (None: measured only). ``sync`` (CUDA): wait for the
         device around each timed action, so the times are when the kernels ran, not when they were
-        queued (only in timed steps). ``calibration`` (a ``pipeline_calibration.Calibration``, on the writer):
+        queued (only in timed steps). ``calibration`` (a ``calibrate.Calibration``, on the writer):
         compares each timed step with the plan's prediction and writes the measured costs."""
         self.steps, self.folder = set(steps), Path(folder)
         self.calibration = calibration
@@ -173,8 +155,6 @@ class PipelineTimeline:
         trace, bubbles = merge_timeline(ranks, step)
         simulated, versus_model = None, ""
         if self.program is not None:
-            from trainer.parallel.schedule_sim import replayed_span
-
             actions = [(e["kind"], e["stage"], (e["end_ns"] - e["start_ns"]) / 1e9) for r in ranks for e in r["events"]]
             spans: list[tuple] = []
             try:
@@ -256,8 +236,7 @@ def merge_timeline(ranks: list[dict], step: int) -> tuple[dict, dict[int, float]
     return trace, bubbles
 
 
-_COLORS = {"F": "#4e79a7", "B": "#e15759", "I": "#f28e2b", "W": "#59a14f"}
-_KIND_NAMES = {"F": "forward", "B": "full backward", "I": "input gradient", "W": "weight gradient"}
+_COLORS = dict(zip(KINDS, ("#4e79a7", "#e15759", "#f28e2b", "#59a14f")))
 
 
 def _tick_step(span: float) -> float:
@@ -296,7 +275,7 @@ def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int,
     out = ['<g id="legend">']
     x = left
     for kind, color in _COLORS.items():
-        text = f"{kind} {_KIND_NAMES[kind]}"
+        text = f"{kind} {KIND_NAMES[kind]}"
         out.append(f'<rect x="{x}" y="8" width="10" height="10" fill="{color}"/>'
                    f'<text x="{x + 14}" y="17">{text}</text>')
         x += 24 + 6 * len(text)

@@ -1,31 +1,24 @@
-"""A timed pipeline run checks the plan's prediction and calibrates the next one.
-
-For each step of ``[profiling] pipeline_timeline_steps`` the reporting rank hands the measured
-actions here: it logs measured against predicted time per pipeline rank and action kind (the
-prediction scaled to the measured total when the plan is in relative units), the bubble per rank
-measured, predicted before calibration and predicted after it, then fits seconds per action kind
-to every step recorded so far (``pipeline_cost.fit_costs``), writes them to
-``<save_traces_folder>/pipeline_costs.json`` and says which split the planner would choose with
-them and what it would gain. ``--parallelism.pipeline_parallel_cost_file`` reads that file back.
-"""
+"""A timed pipeline run checks the plan's prediction and calibrates the next one: per timed step, measured
+against predicted time per rank and action kind, seconds per action kind fitted to every step so far
+(``fit_costs``), written as ``pipeline_costs.json``, and the split the planner would choose with them."""
 
 import math
 import statistics
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from trainer.parallel.pipeline_cost import KINDS, PartCosts, calibrated_costs, fit_costs, write_cost_file
-from trainer.parallel.pipeline_planner import Prediction, Simulator, search_splits
-from trainer.parallel.schedule_sim import Program
+import torch
+
+from trainer.pipeline.cost import PartCosts, calibrated_costs, write_cost_file
+from trainer.pipeline.search import Prediction, Simulator, search_splits
+from trainer.pipeline.simulate import KINDS, Program
 
 
 class Calibration:
     def __init__(self, *, units: PartCosts, plan_costs: PartCosts, counts: tuple[int, ...], program: Program,
                  path: Path, identity: dict, measured: dict, layers_attr: str):
-        """``units``: the FLOP model in relative units (what measurements are fitted against); ``plan_costs``:
-        what the plan predicted with;
-        ``measured``: what the file records about the run (schedule, pp, split points, device)."""
+        """``units``: the FLOP model in relative units (what measurements are fitted against); ``plan_costs``: what
+        the plan predicted with; ``measured``: what the file records about the run (schedule, pp, split points)."""
         self.units, self.plan_costs, self.counts, self.program = units, plan_costs, tuple(counts), program
         self.path, self.identity, self.meta = Path(path), identity, measured
         self.layers_attr = layers_attr
@@ -133,16 +126,103 @@ class Calibration:
         return "[" + ", ".join(f"{self.layers_attr}.{s}" for s in starts) + "]"
 
 
+def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str, int, float]],
+              parts: list[tuple[str, int, str, float]] = ()) -> dict:
+    """Seconds per action kind fitted to measured actions (kind, stage, seconds) of a run split into stages of
+    ``counts`` blocks: a stage's duration = lead overhead + tail overhead + per_unit x (the FLOP model's units of
+    its blocks) + pre (first stage) + post (last stage); least squares on the per-stage means (a step lasts the sum
+    of its actions), held weakly to the FLOP model where the measurements leave it open. ``parts`` (kind, stage,
+    "lead" or "tail", seconds, ``profiling.timeline.part_seconds``) pin the overheads, pre and post directly."""
+    def fitted_kind(kind: str, stage: int) -> str | None:
+        """The first stage's split backward: its W is its whole backward (B), its I computes nothing."""
+        return {"I": None, "W": "B"}.get(kind, kind) if stage == 0 else kind
+
+    samples: dict[tuple[str, int], list[float]] = {}
+    for kind, stage, seconds in actions:
+        if (fitted := fitted_kind(kind, stage)) is not None:
+            samples.setdefault((fitted, stage), []).append(seconds)
+    own: dict[tuple[str, str, int], list[float]] = {}
+    for kind, stage, part, seconds in parts:
+        if (fitted := fitted_kind(kind, stage)) is not None:
+            own.setdefault((fitted, part, stage), []).append(seconds)
+    fit = {}
+    last = len(counts) - 1
+    starts = [1 + sum(counts[:s]) for s in range(len(counts))]
+    # unknowns: lead overhead, tail overhead, seconds per block unit, pre, post
+    for kind in ("F", "I", "W", "B"):  # B last: a split backward measures it on the first stage alone
+        stages = sorted(s for k, s in samples if k == kind)
+        if not stages:
+            continue
+        units = model_costs.parts[kind]
+        y = [statistics.fmean(samples[(kind, s)]) for s in stages]
+        rows = [[1.0, 1.0, math.fsum(units[starts[s]:starts[s] + counts[s]]), float(s == 0), float(s == last)]
+                for s in stages]
+        modelled = [r[2] + units[0] * r[3] + units[-1] * r[4] for r in rows]
+        sigma = sum(y) / sum(modelled)  # seconds per unit, over the whole measured step
+        prior = [0.0, 0.0, sigma, sigma * units[0], sigma * units[-1]]
+        if kind == "B" and "I" in fit and "W" in fit and 0 in stages:
+            # A fused backward does what the input and weight gradients do, in one pass: their fitted sum
+            # is what the measurements leave open. What the fused ones measured beyond it is the
+            # embedding's gradient (the first stage's part no I or W measured); short of it, the fused
+            # pass saves that share of the work.
+            block_units = {k: math.fsum(model_costs.parts[k][1:-1]) for k in "IWB"}
+            i, w = fit["I"], fit["W"]
+            both = [i["lead_overhead_s"] + w["lead_overhead_s"], i["tail_overhead_s"] + w["tail_overhead_s"],
+                    (i["per_unit_s"] * block_units["I"] + w["per_unit_s"] * block_units["W"]) / block_units["B"],
+                    i["pre_s"] + w["pre_s"], i["post_s"] + w["post_s"]]
+            predicted = [math.fsum(v * x for v, x in zip(both, r, strict=True)) for r in rows]
+            first = stages.index(0)
+            both[3] += max(y[first] - predicted[first], 0.0)
+            predicted[first] = max(y[first], predicted[first])
+            prior = [v * sum(y) / sum(predicted) for v in both]
+        # Each prior row weighs like 1/100 of a stage measurement of a block's size: it settles only what
+        # the measurements leave open.
+        size = [sigma, sigma, sigma, sigma * max(units[0], 1.0), sigma * max(units[-1], 1.0)]
+        a = [[v / sigma for v in r] for r in rows] + [[0.01 * sigma / size[j] * (i == j) for i in range(5)]
+                                                       for j in range(5)]
+        b = [v / sigma for v in y] + [0.01 * sigma / size[j] * prior[j] for j in range(5)]
+        timed: dict[str, dict[str, float]] = {}
+        # A timed lead or tail weighs like ten stage measurements: it measures its unknowns directly, while a
+        # stage's duration also holds its blocks, whose pace differs between ranks in ways the costs do not
+        # model (a rank that waits much runs its blocks slower on a shared CPU): that difference goes to
+        # the price of a block, not into the parts around it.
+        for part, overhead, own_part, own_stage in (("lead", 0, 3, 0), ("tail", 1, 4, last)):
+            for s in stages:
+                if own.get((kind, part, s)):
+                    mean = timed.setdefault(part, {})[str(s)] = statistics.fmean(own[(kind, part, s)])
+                    a.append([10.0 * (j == overhead or (j == own_part and s == own_stage)) / sigma for j in range(5)])
+                    b.append(10.0 * mean / sigma)
+        lead, tail, per_unit, pre, post = _nonnegative_lstsq(a, b)
+        fit[kind] = {"overhead_s": lead + tail, "lead_overhead_s": lead, "tail_overhead_s": tail,
+                     "per_unit_s": per_unit, "pre_s": pre, "post_s": post,
+                     "stage_mean_s": dict(zip(map(str, stages), y, strict=True))}
+        if timed:
+            fit[kind]["part_mean_s"] = timed
+    return fit
+
+
+def _nonnegative_lstsq(a: list[list[float]], b: list[float]) -> list[float]:
+    """Least squares with every unknown >= 0: an unknown that comes out negative is fixed at 0 and the
+    rest solved again (a duration has no negative part)."""
+    free = list(range(len(a[0])))
+    while True:
+        cols = torch.tensor([[row[j] for j in free] for row in a], dtype=torch.float64)
+        x = torch.linalg.lstsq(cols, torch.tensor(b, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1).tolist()
+        negative = [j for j, v in zip(free, x, strict=True) if v < 0]
+        if not negative:
+            out = [0.0] * len(a[0])
+            for j, v in zip(free, x, strict=True):
+                out[j] = v + 0.0  # no -0.0
+            return out
+        free = [j for j in free if j not in negative]
+
+
 def fit_transfer(costs: PartCosts, program: Program, counts: tuple[int, ...], span: float) -> float:
     """The time of one transfer between ranks that makes the simulated step as long as the measured span:
     what the measured step has beyond its compute in the schedule's order (0 when it has nothing)."""
-    return transfer_for_span(lambda send: Simulator(replace(costs, send=send), program).predict(counts).makespan,
-                             span)
+    def makespan(send: float) -> float:
+        return Simulator(replace(costs, send=send), program).predict(counts).makespan
 
-
-def transfer_for_span(makespan: Callable[[float], float], span: float) -> float:
-    """The transfer time at which ``makespan(send)`` (growing with it) reaches ``span``; 0 when it is reached
-    with none."""
     if makespan(0.0) >= span:
         return 0.0
     low, high = 0.0, span

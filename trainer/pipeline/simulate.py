@@ -1,21 +1,24 @@
-"""Pipeline schedules without a process group: torch's own constraints, action lists, bubble.
-
-torch ships the action lists of its schedules through a private helper
-(``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops``); this module is the
-only place that calls it, so a change in torch breaks one function with a clear test.
+"""A pipeline schedule without a process group: its action lists (torch's, through the private
+``torch.distributed.pipelining._schedule_visualizer``, called here only; or a CSV file), their checks, and
+the one replay of them that the planner, the dry run, the bubble and the timeline all use.
 """
 
+import re
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
 from trainer.config.schedules import CSV_KEY, traits_of
 from trainer.errors import ConfigError
 
-# Relative compute cost of an action on one stage: backward is twice forward; a split
-# backward is half for the input gradient and half for the weight gradient.
-COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+# The action kinds, as the CSV cells and the trace name them; a table of costs is indexed in this order.
+KINDS = ("F", "B", "I", "W")
+KIND_NAMES = {"F": "forward", "B": "full backward", "I": "input gradient", "W": "weight gradient"}
+_TORCH_KINDS = dict(zip(("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"), KINDS))
+# Relative compute cost of an action on one stage: backward is twice forward, split in equal halves.
+UNIT_COST = dict(zip(KINDS, (1.0, 2.0, 1.0, 1.0)))
+Action = tuple[str, int, int]
+"""(kind, stage, microbatch)"""
 
 
 @cache
@@ -40,10 +43,6 @@ def check_schedule(schedule: str, pp: int, n_microbatches: int, stages_per_rank:
         ) from None
 
 
-KEY_STAGES = ("as many as the CSV uses, unless [parallelism] pipeline_parallel_split_points or"
-              " pipeline_parallel_layers_per_stage set them")
-
-
 def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> None:
     """The CSV (one row of compute actions like 0F0,2B1 per pipeline rank) must be a schedule torch can
     run on this job: its stages on the ranks that hold them (``placement[r]``: rank r's stages), every
@@ -58,7 +57,8 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
     mbs = {mb for row in rows for _, _, mb in row}
     if stages != set(range(num_stages)):
         raise ConfigError(f"{key}: {path} uses stages {sorted(stages)}, but the job has stages 0..{num_stages - 1}"
-                          f" ({KEY_STAGES})")
+                          " (as many as the CSV uses, unless [parallelism] pipeline_parallel_split_points or"
+                          " pipeline_parallel_layers_per_stage set them)")
     if mbs != set(range(n_microbatches)):
         raise ConfigError(
             f"{key}: {path} uses microbatches {sorted(mbs)}, but the job has {n_microbatches}"
@@ -79,7 +79,7 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
             where.setdefault(action, []).append(i)
     for stage in range(num_stages):
         for mb in range(n_microbatches):
-            count = {kind: len(where.get((kind, stage, mb), [])) for kind in "FBIW"}
+            count = {kind: len(where.get((kind, stage, mb), [])) for kind in KINDS}
             if count["F"] != 1:
                 raise ConfigError(
                     f"{key}: {path}: stage {stage} microbatch {mb} runs forward {count['F']} times ({stage}F{mb});"
@@ -91,14 +91,14 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
                     f"{key}: {path}: stage {stage} microbatch {mb} needs one backward, {stage}B{mb} or {stage}I{mb}"
                     f" then {stage}W{mb} (found {found})"
                 )
-            first = {kind: where[(kind, stage, mb)][0] for kind in "FBIW" if count[kind]}
+            first = {kind: where[(kind, stage, mb)][0] for kind in KINDS if count[kind]}
             for later, earlier in (("B", "F"), ("I", "F"), ("W", "I")):
                 if later in first and first[later] < first[earlier]:
                     raise ConfigError(
                         f"{key}: {path} row {owner[stage] + 1}: {stage}{later}{mb} comes before {stage}{earlier}{mb}"
                     )
     try:
-        _run(rows, num_stages=num_stages)
+        unit_replay(compile_program(rows, num_stages))
     except Deadlock as e:
         stuck = "; ".join(f"rank {r} at {s}{k}{mb}" for r, (k, s, mb) in e.blocked)
         raise ConfigError(f"{key}: {path}: this order cannot run, every rank waits for another ({stuck})") from None
@@ -106,8 +106,6 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
 
 def csv_rows(path: str) -> list[list[tuple[int, str, int]]]:
     """Each row's (stage, kind, microbatch) cells of a CSV schedule whose syntax was checked at load."""
-    import re
-
     from trainer.config.validate import read_csv_cells
 
     rows = []
@@ -130,20 +128,33 @@ class Deadlock(RuntimeError):
         self.blocked = blocked
 
 
-_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-KIND_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
-
-
-def _flatten(action) -> list[tuple[str, int, int]]:
+def _flatten(action) -> list[Action]:
     if action is None:
         return []
     if action.sub_actions:
         return [x for sub in action.sub_actions for x in _flatten(sub)]
     # by name: older torch releases numbered these types instead of lettering them
-    kind = _KINDS.get(action.computation_type.name)
+    kind = _TORCH_KINDS.get(action.computation_type.name)
     if kind is None:  # communication, resharding, gradient reduction: not compute
         return []
     return [(kind, action.stage_index, action.microbatch_index)]
+
+
+def lowered(ops: list[list]) -> tuple[list[list[Action]], dict[Action, Action]]:
+    """Each rank's compute actions in order (torch's action lists flattened), and {action: the action after which
+    its output is sent} for the actions an overlapped pair (OVERLAP_F_B, DualPipeV's) runs before its last: torch's
+    lowering (``schedules._add_send_recv``) puts the pair, then the sends of its actions, so a forward's output
+    leaves its rank only once the pair's backward is done too."""
+    queues, sent_after = [], {}
+    for rank_ops in ops:
+        queue = []
+        for a in rank_ops:
+            flat = _flatten(a)
+            for x in flat[:-1]:
+                sent_after[x] = flat[-1]
+            queue += flat
+        queues.append(queue)
+    return queues, sent_after
 
 
 @dataclass(frozen=True)
@@ -153,12 +164,11 @@ class Program:
     An action starts when its rank is free and its inputs exist: a forward needs the previous
     stage's forward of the microbatch, a backward (B or I) its own forward and the next stage's
     backward of the microbatch, a weight gradient its own input gradient. An input made on another
-    rank arrives ``send`` after it was sent (one activation or gradient transfer): when it was made,
-    or, for an action run as part of an overlapped pair (DualPipeV's OVERLAP_F_B), when the pair's
-    last action is done (see ``_lowered``)."""
+    rank arrives one transfer after it was sent: when it was made, or, inside an overlapped pair,
+    when the pair's last action is done (``lowered``)."""
 
-    actions: tuple[tuple[str, int, int], ...]
-    """(kind, stage, microbatch) of every action; index = action id."""
+    actions: tuple[Action, ...]
+    """Every action; index = action id."""
     order: tuple[tuple[int, ...], ...]
     """Each rank's action ids in the order it runs them."""
     deps: tuple[tuple[tuple[int, bool], ...], ...]
@@ -172,11 +182,13 @@ class Program:
     def owner(self) -> dict[int, int]:
         return {self.actions[a][1]: r for r, ids in enumerate(self.order) for a in ids}
 
+    def stage_ids(self) -> list[list[int]]:
+        """Each rank's stages, in order."""
+        return [sorted({self.actions[a][1] for a in ids}) for ids in self.order]
 
-def compile_program(queues: list[list[tuple[str, int, int]]], num_stages: int,
-                    sent_after: dict[tuple[str, int, int], tuple[str, int, int]] | None = None) -> Program:
-    """``sent_after``: {action: the action of its rank after which torch sends its output} where that is a later
-    one (``_lowered``); an input for another rank waits for that one."""
+
+def compile_program(queues: list[list[Action]], num_stages: int, sent_after: dict | None = None) -> Program:
+    """``sent_after``: ``lowered``'s {action: the later action of its rank after which torch sends its output}."""
     sent_after = sent_after or {}
     actions = [a for q in queues for a in q]
     ids = {a: i for i, a in enumerate(actions)}
@@ -209,15 +221,22 @@ def compile_program(queues: list[list[tuple[str, int, int]]], num_stages: int,
     return Program(tuple(actions), tuple(order), tuple(deps), num_stages)
 
 
+def cost_table(program: Program, cost) -> list[list[float]]:
+    """``table[kind index][stage]`` (KINDS order) of ``cost(kind, stage)``, asked only for the (kind, stage) pairs
+    the program runs."""
+    used = {a[:2] for a in program.actions}
+    return [[cost(k, s) if (k, s) in used else 0.0 for s in range(program.num_stages)] for k in KINDS]
+
+
 def replay(program: Program, table: list[list[float]], send: float = 0.0,
            spans: list | None = None) -> tuple[float, list[float]]:
     """(makespan, busy time of each rank) running every rank's actions in order as early as their inputs
-    allow. ``table[k][stage]``: duration of an action of kind ``k`` (KIND_INDEX) on ``stage``; ``send``:
-    time of a transfer between ranks. Raises ``Deadlock`` when no rank can go on. ``spans``, if given,
-    receives (rank, kind, stage, microbatch, start, end) of every action."""
+    allow. ``table[k][stage]``: duration of an action of kind ``KINDS[k]`` on ``stage``; ``send``: time of a
+    transfer between ranks. Raises ``Deadlock`` when no rank can go on. ``spans``, if given, receives (rank,
+    kind, stage, microbatch, start, end) of every action."""
     n = len(program.actions)
     done = [-1.0] * (n + 1)  # finish time; the extra slot stands for an action that never runs (id -1)
-    kinds = [KIND_INDEX[a[0]] for a in program.actions]
+    kinds = [KINDS.index(a[0]) for a in program.actions]
     stages = [a[1] for a in program.actions]
     ranks = program.num_ranks
     clock, busy, pos = [0.0] * ranks, [0.0] * ranks, [0] * ranks
@@ -256,40 +275,10 @@ def replay(program: Program, table: list[list[float]], send: float = 0.0,
     return max(clock), busy
 
 
-def simulate(ops: list[list], num_stages: int) -> tuple[float, float]:
-    """(makespan, busy time summed over ranks) running each rank's torch actions in order (see ``_run``)."""
-    return _run(*_lowered(ops), num_stages=num_stages)
-
-
-def _lowered(ops: list[list]) -> tuple[list[list[tuple[str, int, int]]], dict]:
-    """Each rank's compute actions in order (torch's action lists flattened), and {action: the action after which
-    its output is sent} for the actions an overlapped pair (OVERLAP_F_B, DualPipeV's) runs before its last: torch's
-    lowering (``schedules._add_send_recv``) puts the pair, then the sends of its actions, so a forward's output
-    leaves its rank only once the pair's backward is done too. (Replayed with the forward's output sent at once,
-    parts that sleep known times measured ranks waiting up to 8 points more than predicted under DualPipeV.)"""
-    queues, sent_after = [], {}
-    for rank_ops in ops:
-        queue = []
-        for a in rank_ops:
-            flat = _flatten(a)
-            for x in flat[:-1]:
-                sent_after[x] = flat[-1]
-            queue += flat
-        queues.append(queue)
-    return queues, sent_after
-
-
-def _run(queues: list[list[tuple[str, int, int]]], sent_after: dict | None = None, *, num_stages: int,
-         spans: list | None = None, cost: Callable[[str, int], float] | None = None) -> tuple[float, float]:
-    """(makespan, busy time summed over ranks) of ``replay`` with ``cost(kind, stage)`` as each action's
-    duration (default: ``COST``, with a stage being 1/v of a rank's layers) and free communication."""
-    if cost is None:
-        v = num_stages // len(queues)
-        cost = lambda kind, stage: COST[kind] / v  # noqa: E731
-    used = {(kind, stage) for q in queues for kind, stage, _ in q}  # ``cost`` may know only these
-    table = [[cost(k, s) if (k, s) in used else 0.0 for s in range(num_stages)] for k in KIND_INDEX]
-    makespan, busy = replay(compile_program(queues, num_stages, sent_after), table, spans=spans)
-    return makespan, sum(busy)
+def unit_replay(program: Program, spans: list | None = None) -> tuple[float, list[float]]:
+    """``replay`` at ``UNIT_COST`` (a stage being 1/v of a rank's layers) with free communication."""
+    v = program.num_stages // program.num_ranks
+    return replay(program, cost_table(program, lambda kind, stage: UNIT_COST[kind] / v), spans=spans)
 
 
 def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> float:
@@ -299,38 +288,31 @@ def bubble_fraction(schedule: str, pp: int, n_microbatches: int, stages_per_rank
     if traits_of(schedule).fill_drain:
         # Fill and drain: p - 1 slots of (F + B) idle out of m + p - 1.
         return (pp - 1) / (n_microbatches + pp - 1)
-    makespan, busy = simulate(schedule_ops(schedule, pp, n_microbatches, stages_per_rank), pp * stages_per_rank)
-    return 1.0 - busy / (pp * makespan)
+    makespan, busy = unit_replay(program_for(schedule, pp, n_microbatches, stages_per_rank))
+    return 1.0 - sum(busy) / (pp * makespan)
 
 
 def simulated_spans(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> list[tuple]:
     """(rank, kind, stage, microbatch, start, end) of every action in the simulation (F = 1 unit)."""
     spans: list[tuple] = []
-    _run(*_queues(schedule, pp, n_microbatches, stages_per_rank), num_stages=pp * stages_per_rank, spans=spans)
+    unit_replay(program_for(schedule, pp, n_microbatches, stages_per_rank), spans)
     return spans
 
 
 def program_for(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int, csv: str = "") -> Program:
     """The compiled action lists of a named schedule, or of the CSV file ``csv`` for a schedule from a file."""
-    if traits_of(schedule).from_file:
+    traits = traits_of(schedule)
+    if traits.from_file:
         return compile_program([[(k, s, m) for s, k, m in row] for row in csv_rows(csv)], pp * stages_per_rank)
-    queues, sent_after = _queues(schedule, pp, n_microbatches, stages_per_rank)
+    if traits.order != "torch":  # torch's action lists for one stage per rank are not usable here
+        return compile_program([_one_stage_ops(traits.order, pp, n_microbatches, r) for r in range(pp)], pp)
+    queues, sent_after = lowered(schedule_ops(schedule, pp, n_microbatches, stages_per_rank))
     return compile_program(queues, pp * stages_per_rank, sent_after)
 
 
-def _queues(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> tuple[list[list], dict]:
-    """``_lowered``'s queues and sends of the schedule's actions."""
-    order = traits_of(schedule).order
-    if order != "torch":  # torch's action lists for one stage per rank are not usable here
-        return [_one_stage_ops(order, pp, n_microbatches, r) for r in range(pp)], {}
-    return _lowered(schedule_ops(schedule, pp, n_microbatches, stages_per_rank))
-
-
 def replayed_span(program: Program, actions: list[tuple[str, int, float]], spans: list | None = None) -> float:
-    """The bubble model built from measured action times: the span of one step of ``program`` when
-    every action of a kind on a stage lasts the median of the measured ``actions`` (kind, stage,
-    seconds) and communication is free. What a measured span exceeds it by is communication and
-    overhead. ``spans``, if given, receives (rank, kind, stage, microbatch, start, end) in seconds."""
+    """The span of one step of ``program`` when every action of a kind on a stage lasts the median of the
+    measured ``actions`` (kind, stage, seconds) and communication is free (the bubble model of a timed run)."""
     samples: dict[tuple[str, int], list[float]] = {}
     for kind, stage, seconds in actions:
         samples.setdefault((kind, stage), []).append(seconds)
@@ -345,12 +327,10 @@ def replayed_span(program: Program, actions: list[tuple[str, int, float]], spans
             return median[("B", stage)] / 2
         raise ValueError(f"no measured {kind} action of stage {stage}")
 
-    used = {program.actions[i][:2] for i in range(len(program.actions))}
-    table = [[cost(k, s) if (k, s) in used else 0.0 for s in range(program.num_stages)] for k in KIND_INDEX]
-    return replay(program, table, spans=spans)[0]
+    return replay(program, cost_table(program, cost), spans=spans)[0]
 
 
-def _one_stage_ops(order: str, pp: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+def _one_stage_ops(order: str, pp: int, m: int, rank: int) -> list[Action]:
     """forwards_then_backwards (GPipe): every forward, then every backward. fill_alternate_drain (1F1B):
     pp - 1 - rank forwards to fill the pipeline, then one forward and one backward in turn, then the
     remaining backwards."""
@@ -363,13 +343,9 @@ def _one_stage_ops(order: str, pp: int, m: int, rank: int) -> list[tuple[str, in
     return ops + [("B", rank, i) for i in range(m - warm, m)]
 
 
-def timeline(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> str:
-    """Text rendering of each rank's action order (stage, kind, microbatch), e.g. '0F0 0F1 3F0 ...'."""
+def schedule_text(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> str:
+    """Each rank's action order as text (stage, kind, microbatch), e.g. 'rank 0: 0F0 0F1 3F0 ...'."""
     if traits_of(schedule).fill_drain:
         return f"{schedule}: each rank runs forwards then backwards of {n_microbatches} microbatches in order\n"
-    ops = schedule_ops(schedule, pp, n_microbatches, stages_per_rank)
-    lines = []
-    for r, rank_ops in enumerate(ops):
-        cells = [f"{s}{k}{m}" for a in rank_ops for (k, s, m) in _flatten(a)]
-        lines.append(f"rank {r}: " + " ".join(cells))
-    return "\n".join(lines) + "\n"
+    queues = lowered(schedule_ops(schedule, pp, n_microbatches, stages_per_rank))[0]
+    return "".join(f"rank {r}: " + " ".join(f"{s}{k}{m}" for k, s, m in q) + "\n" for r, q in enumerate(queues))

@@ -24,7 +24,7 @@ from trainer.config.schedules import SCHEDULES
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec
 from trainer.models.registry import model_blocks
-from trainer.parallel.pipeline_split import PipelinePlan, Stage
+from trainer.pipeline.split import PipelinePlan, Stage
 
 if TYPE_CHECKING:  # torch.distributed.pipelining imports torch._dynamo (~0.5 s): only jobs with pp > 1 pay it
     from torch.distributed.pipelining.schedules import _PipelineSchedule

@@ -1,37 +1,24 @@
-"""Where the model is cut into pipeline stages, and which rank runs which stage.
-
-Pure functions of the config and the (meta-device) model: the dry run, the validation and the
-real run all use them. A stage is a contiguous run of blocks; the first stage also holds the
-modules before the blocks (embeddings), the last those after (final norm, output projection).
+"""Where the model is cut into pipeline stages, and which rank runs which stage: the split keys checked
+against the model and the schedule, and the split chosen (given, balanced, or searched by ``search``).
+A stage is a contiguous run of blocks; the first also holds the modules before them, the last those after.
 """
 
-import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
 
 from torch import nn
 
-from trainer.config.schedules import CSV, CSV_NAME, SCHEDULES, ScheduleTraits, traits_of
+from trainer.config.schedules import ScheduleTraits, schedule_traits, traits_of
 from trainer.config.schema import Parallelism
 from trainer.errors import ConfigError
 from trainer.models.registry import ModelLayout, model_blocks
-from trainer.parallel.pipeline_cost import PartCosts, part_flops
-from trainer.parallel.pipeline_planner import Simulator, SplitSearch, search_splits
-from trainer.parallel.schedule_sim import check_csv, check_schedule, csv_rows, program_for
-from trainer.parallel.technique import PlanFacts, Technique
-
-logger = logging.getLogger(__name__)
+from trainer.pipeline.cost import PartCosts, part_flops, part_params
+from trainer.pipeline.search import Simulator, SplitSearch, search_splits
+from trainer.pipeline.simulate import check_csv, check_schedule, csv_rows, program_for
 
 KEY = "[parallelism] pipeline_parallel_"
-
-
-def schedule_traits(parallelism: Parallelism) -> tuple[str, ScheduleTraits]:
-    """(schedule name or ``CSV_NAME``, its traits) for the ``[parallelism]`` section."""
-    if parallelism.pipeline_parallel_schedule_csv:
-        return CSV_NAME, CSV
-    return parallelism.pipeline_parallel_schedule, SCHEDULES[parallelism.pipeline_parallel_schedule]
 
 
 @dataclass(frozen=True)
@@ -86,20 +73,11 @@ class PipelinePlan:
 
 def module_costs(model: nn.Module, layout: ModelLayout, *, mode: Literal["flops", "params"],
                  seq_len: int) -> tuple[float, list[float], float]:
-    """(cost of pre-layers, cost of each block, cost of post-layers) of a meta-device model.
-
-    params: number of parameters (memory). flops: forward FLOPs per token (``pipeline_cost.part_flops``:
-    matmuls and attention scores)."""
-    if mode == "flops":
-        parts = [mm + attn for mm, attn in part_flops(model, layout, seq_len=seq_len)]
-        return parts[0], parts[1:-1], parts[-1]
-
-    def count(names: tuple[str, ...]) -> float:
-        return float(sum(p.numel() for n in names if getattr(model, n, None) is not None
-                         for p in getattr(model, n).parameters()))
-
-    blocks = [float(sum(p.numel() for p in b.parameters())) for b in model_blocks(model, layout.blocks).values()]
-    return count(layout.pre), blocks, count(layout.post)
+    """(cost of pre-layers, cost of each block, cost of post-layers) of a meta-device model: parameters, or
+    forward FLOPs per token (``cost.part_flops``: matmuls and attention scores)."""
+    parts = ([mm + attn for mm, attn in part_flops(model, layout, seq_len=seq_len)] if mode == "flops"
+             else list(map(float, part_params(model, layout))))
+    return parts[0], parts[1:-1], parts[-1]
 
 
 def balanced_split(pre: float, blocks: list[float], post: float, num_stages: int) -> list[int]:
@@ -130,14 +108,6 @@ def balanced_split(pre: float, blocks: list[float], post: float, num_stages: int
     return counts[::-1]
 
 
-def stage_costs(pre: float, blocks: list[float], post: float, counts: list[int]) -> list[float]:
-    out, start = [], 0
-    for s, c in enumerate(counts):
-        out.append(sum(blocks[start:start + c]) + (pre if s == 0 else 0.0) + (post if s == len(counts) - 1 else 0.0))
-        start += c
-    return out
-
-
 def num_stages_for(parallelism: Parallelism, traits: ScheduleTraits, n_layers: int) -> int:
     """Total stages: from split points, from layers per stage, or 1 / 2 per rank by schedule type."""
     pp = parallelism.pipeline_parallel_degree
@@ -161,8 +131,8 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, layout: Mode
                         fits: Callable[[tuple[int, ...], list[list[int]]], bool] | None = None) -> PipelinePlan:
     """Validate the pipeline keys against the model and the schedule, and decide every stage's blocks.
 
-    ``costs``: the per-part action costs the makespan planner prices splits with (built only when it
-    runs); ``fits(counts, placement)``: whether every rank of a split fits the memory limit (None: no limit)."""
+    ``costs()``: the part costs the makespan planner prices splits with (built only when it runs);
+    ``fits(counts, placement)``: whether every rank of a split fits the memory limit (None: no limit)."""
     pp = parallelism.pipeline_parallel_degree
     schedule, traits = schedule_traits(parallelism)
     layers_attr = layout.blocks
@@ -220,7 +190,7 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, layout: Mode
             raise ValueError("the makespan planner needs the part costs")
         sim = Simulator(costs(), program_for(schedule, pp, n_microbatches, per_rank,
                                              parallelism.pipeline_parallel_schedule_csv))
-        search = search_splits(sim, fits=None if fits is None else lambda counts: fits(counts, sim.stage_ids))
+        search = search_splits(sim, fits=fits)
         if not search.best:
             raise ConfigError(
                 f"{KEY}memory_limit_gib: none of the {search.evaluated} splits tried fits every rank"
@@ -239,62 +209,3 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, layout: Mode
         stages.append(Stage(s, tuple(block_keys[start:start + c]), s == 0, s == num_stages - 1))
         start += c
     return PipelinePlan(tuple(stages), pp, schedule, traits.placement, search, layers_attr)
-
-
-class PipelineParallel(Technique):
-    """``[parallelism] pipeline_parallel_degree``: the plan-time checks of the front-ends. Its runtime is not a
-    per-chunk transformation: it decides what the chunks are (``trainer.parallel.pipeline`` builds them and
-    the schedule that runs them), and ``ModelParts`` runs the schedule in place of a forward and backward."""
-
-    name = "pp"
-
-    @classmethod
-    def check(cls, facts: PlanFacts) -> None:
-        p, dims, spec = facts.parallelism, facts.dims, facts.spec
-        if dims.pp == 1:
-            default = type(p)()
-            unused = [f"{f.name} = {getattr(p, f.name)!r}" for f in fields(p)
-                      if f.name.startswith("pipeline_parallel_") and f.name != "pipeline_parallel_degree"
-                      and getattr(p, f.name) != getattr(default, f.name)]
-            if unused:
-                logger.warning("[parallelism] pipeline_parallel_degree = 1: %s not used; the model runs whole, without"
-                               " a pipeline schedule", ", ".join(unused))
-            return
-        if dims.tp > 1 and spec.tied_aliases(facts.model_args):
-            # Seen on torch 2.13 (CPU, gloo): the first and last stages' copies of the tied weight reach the step
-            # sharded differently (a size mismatch in the tied gradients' sum under V placement, mismatched
-            # transfers under loop placement).
-            raise ConfigError(f"[model] tie_embeddings with [parallelism] pipeline_parallel_degree={dims.pp} and"
-                              f" tensor_parallel_degree={dims.tp}: not supported yet (the pipeline's two copies of the"
-                              " tied weight are sharded differently by tensor parallelism); untie the embeddings or"
-                              " drop one of the two")
-        key = "[parallelism] pipeline_parallel_frontend"
-        if p.pipeline_parallel_frontend == "manual":
-            if not spec.manual_split:
-                raise ConfigError(f"{key} = \"manual\": model family {spec.name} cannot run with stages' modules"
-                                  " removed (ModelSpec.manual_split = False);"
-                                  " set pipeline_parallel_frontend = \"tracer\"")
-            blocks = getattr(facts.whole, spec.layers_attr, None)
-            if not isinstance(blocks, nn.ModuleDict):
-                raise ConfigError(f"{key} = \"manual\": model family {spec.name} holds its blocks ({spec.layers_attr})"
-                                  f" in a {type(blocks).__name__}, not a ModuleDict whose entries a stage can delete;"
-                                  " set pipeline_parallel_frontend = \"tracer\"")
-            return
-        # A traced stage is a graph of aten ops: module-level parallel styles and per-block wrappers that
-        # change the forward cannot be applied to it, and torch's traced stages reject DTensor activations.
-        refused = [
-            (dims.tp > 1, "tensor_parallel_degree > 1 (TP plans shard nn.Linear modules, which tracing removes)"),
-            (dims.cp > 1, "context_parallel_degree > 1 (torch's traced stages reject DTensor activations)"),
-            (dims.ep > 1 or spec.num_experts is not None,
-             "a mixture-of-experts model (routing has data-dependent shapes, which torch.export cannot trace)"),
-            (bool(spec.tied_aliases(facts.model_args)), "tied embeddings ([model] tie_embeddings: torch's traced"
-                                                        " stages do not exchange a weight shared by two stages; the"
-                                                        " run fails in a transfer)"),
-            (facts.compile_enabled, "[compile] enable (not tried on traced stages)"),
-            (facts.model.attn_backend == "varlen", '[model] attn_backend = "varlen" (it reads each window\'s'
-                                                   " document lengths on the host, which a traced graph cannot)"),
-        ]
-        for bad, what in refused:
-            if bad:
-                raise ConfigError(f"{key} = \"tracer\" does not compose with {what};"
-                                  " use the manual front-end or drop it")

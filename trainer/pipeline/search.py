@@ -1,20 +1,6 @@
-"""Choose where to cut the model: the contiguous split whose simulated step is shortest.
-
-What a pipeline step costs is decided by the ranks and the schedule's critical path, not by the
-most expensive stage: with V placement a rank holds two stages, so equal stages can still leave
-a rank idle a third of the time. Each candidate split is priced per stage and action kind
-(``PartCosts``) and the schedule's own action lists are replayed with those costs and the
-transfers between ranks (``schedule_sim.replay``); the split with the smallest makespan wins,
-among those whose every rank fits the memory limit.
-
-Search: every split when there are at most ``budget`` of them (exact). Otherwise descents from the given
-split, a rank-balanced one and the even one, each moving one block at a time between any two stages while
-that shortens the step (moves that ``Simulator.bound`` puts above both the kept splits and the descent's
-current split are not replayed), then a depth-first branch and bound over the cut positions: a rank's busy
-time never exceeds the makespan, so any partial split whose busiest rank already exceeds the best makespans
-kept is dropped unseen. If the budget runs out first (splits replayed, or partial splits visited), the result is
-the best split found, not proven the best (``SplitSearch.exact`` false).
-"""
+"""The schedule-aware split search: the contiguous split whose replayed step is shortest, among those whose every
+rank fits the memory limit. Every split when there are few enough (exact); otherwise descents from seeds moving
+one block at a time, then a branch and bound on the ranks' busy time (docs/pipeline.md, "The search")."""
 
 import heapq
 import itertools
@@ -22,8 +8,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainer.parallel.pipeline_cost import KINDS, PartCosts
-from trainer.parallel.schedule_sim import Program, replay
+from trainer.pipeline.cost import PartCosts
+from trainer.pipeline.simulate import KINDS, Program, replay
 
 # Action-replays (actions x candidates) of the whole search when it lists every split, else of its branch and bound.
 REPLAY_BUDGET = 2_000_000
@@ -69,7 +55,7 @@ class Simulator:
 
     def __init__(self, costs: PartCosts, program: Program):
         self.costs, self.program = costs, program
-        self.stage_ids = [sorted({program.actions[a][1] for a in ids}) for ids in program.order]
+        self.stage_ids = program.stage_ids()
         self.owner = program.owner()
         # Actions of each kind per stage: a rank's busy time is sum(count x cost).
         self.counts = [[0] * program.num_stages for _ in KINDS]
@@ -115,12 +101,12 @@ class Simulator:
         return Prediction(tuple(counts), makespan, tuple(busy))
 
 
-def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | None = None,
+def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...], list[list[int]]], bool] | None = None,
                   budget: int | None = None, keep: int = 4, seed: tuple[int, ...] | None = None,
                   enumerate_up_to: int | None = None) -> SplitSearch:
     """The ``keep`` best contiguous splits of ``sim``'s blocks into its stages by simulated makespan.
 
-    ``fits(counts)``: whether every rank of that split fits its memory (None: no limit). ``budget``:
+    ``fits(counts, placement)``: whether every rank of that split fits its memory (None: no limit). ``budget``:
     most splits to replay in the whole search (default: REPLAY_BUDGET action-replays to list every split or for
     the branch and bound, DESCENT_REPLAYS for the descents before it). ``seed``: a split to start from.
     ``enumerate_up_to``: list every split when there are at most this many (default: the budget)."""
@@ -150,7 +136,7 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...]], bool] | N
             return None
         seen.add(counts)
         state["evaluated"] += 1
-        if fits is not None and not fits(counts):
+        if fits is not None and not fits(counts, sim.stage_ids):
             state["refused"] += 1
             return None
         pred = sim.predict(counts)
@@ -199,15 +185,15 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     """Cuts that give every rank the same work: each stage aims at its rank's share, less what the
     rank's first or last stage carries (embeddings, output), spread over the rank's stages."""
     n, stages = sim.costs.num_blocks, sim.program.num_stages
-    one = sim.costs.stage_table([1] * stages) if n >= stages else None
-    if one is None:
+    if n < stages:
         return tuple([1] * stages)
-    per_block = [sim.stage_load(sim.costs.stage_table([1] * stages), 1 if stages > 2 else 0)] * n
-    # Block loads from single-block stages in the middle; pre/post from the end stages' excess.
+    # A block's load from a single-block stage in the middle; pre/post from the end stages' excess.
+    one = sim.costs.stage_table([1] * stages)
+    block = sim.stage_load(one, 1 if stages > 2 else 0)
     table = sim.costs.stage_table([1] * (stages - 1) + [n - stages + 1]) if stages > 1 else one
-    extra_first = sim.stage_load(one, 0) - per_block[0]
-    extra_last = sim.stage_load(table, stages - 1) - per_block[0] * (n - stages + 1)
-    total = per_block[0] * n + extra_first + extra_last
+    extra_first = sim.stage_load(one, 0) - block
+    extra_last = sim.stage_load(table, stages - 1) - block * (n - stages + 1)
+    total = block * n + extra_first + extra_last
     owner = sim.owner
     share = total / len(sim.stage_ids)
     target = []
@@ -216,7 +202,7 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
         extra = ((extra_first if 0 in sim.stage_ids[r] else 0.0)
                  + (extra_last if stages - 1 in sim.stage_ids[r] else 0.0))
         target.append(max(share - extra, 0.0) / len(sim.stage_ids[r]))
-    weights = [t / per_block[0] for t in target]  # blocks each stage should get
+    weights = [t / block for t in target]  # blocks each stage should get
     scale = n / sum(weights) if sum(weights) else 1.0
     counts, placed, acc = [], 0, 0.0
     for s in range(stages):
