@@ -214,7 +214,7 @@ def load_hf(folder: Path, *, key: str, seq_len: int, device="cpu", dtype=None) -
     materialize_(model, torch.device(device), seed=0)
     load_hf_([model], spec, args, folder, key=key)
     cast_parameters_(model, dtype)
-    tokenizer = HFTokenizer(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
+    tokenizer = HFTokenizer(folder / "tokenizer.json", key=key) if (folder / "tokenizer.json").is_file() else None
     positions = config.get("max_position_embeddings")
     context = ((positions, "its config.json max_position_embeddings")
                if isinstance(positions, int) and not isinstance(positions, bool) and positions > 0 else None)

@@ -141,26 +141,27 @@ class Tokenizer:
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, key: str = "[model] tokenizer_path"):
+        """``key``: the setting or argument that named ``path`` (said in every error)."""
         from tokenizers import Tokenizer as _HF
 
         path = Path(path)
         if not path.is_file():
-            raise not_found("[model] tokenizer_path", path)
+            raise not_found(key, path)
         try:
             self._tok = _HF.from_file(str(path))
         except Exception as e:  # the Rust parser raises a bare Exception with the serde message
-            raise UserError(f"[model] tokenizer_path: {path} is not a Hugging Face tokenizer.json ({e})") from None
+            raise UserError(f"{key}: {path} is not a Hugging Face tokenizer.json ({e})") from None
         # Special-token text inside documents is ordinary text, as for tiktoken files (a document quoting
         # "<|endoftext|>" does not end there); begin/end-of-text ids are added by id.
         self._tok.encode_special_tokens = True
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        bos, eos = self._special_tokens(path)
+        bos, eos = self._special_tokens(path, key)
         self.bos_id = self._tok.token_to_id(bos) if bos else None
         self.eos_id = self._tok.token_to_id(eos) if eos else None
         if self.eos_id is None:
             raise UserError(
-                f"[model] tokenizer_path: {path} has no end-of-text token (looked for eos_token in"
+                f"{key}: {path} has no end-of-text token (looked for eos_token in"
                 f" tokenizer_config.json and for {', '.join(_EOS_NAMES)}); documents could not be separated"
             )
         # "specials-as-text": special-token text in documents is text (older shards matched it as control tokens)
@@ -168,11 +169,10 @@ class HFTokenizer:
                          ":specials-as-text")
         self.path = path
 
-    def _special_tokens(self, path: Path) -> tuple[str | None, str | None]:
+    def _special_tokens(self, path: Path, key: str) -> tuple[str | None, str | None]:
         """(bos, eos) token text: tokenizer_config.json's, else the first known name in the vocabulary."""
         config = path.with_name("tokenizer_config.json")
         if config.is_file():
-            key = "[model] tokenizer_path"
             data = read_json(config, key, what="tokenizer config")
 
             def text(name):  # a token's text: a string, or {"content": string, ...}
