@@ -267,6 +267,12 @@ def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
     return 6 * matmul_params + attention_flops(args, seq_len)
 
 
+def moe_idle_params(args: MoEArgs) -> int:
+    """The routed experts' weights a token does not use: n_experts - top_k of them in each MoE block."""
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    return n_moe * (args.n_experts - args.top_k) * 3 * args.dim * args.expert_hidden_dim
+
+
 def moe_activation_bytes(args: MoEArgs, *, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False,
                          loss_parallel: bool = False) -> ActivationBytes | str:
     """What autograd saves per token, counted from this module's operations like Llama's (checked against
