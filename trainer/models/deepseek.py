@@ -27,9 +27,9 @@ from trainer.models.registry import register_model
 FAMILY = "deepseek_v3"
 _NAMES = {  # ours (within a block) -> transformers'
     "attention.wq.weight": "self_attn.q_proj.weight", "attention.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight", "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight", "attention.wq_b.weight": "self_attn.q_b_proj.weight",
     "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
     "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
     "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
     "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
