@@ -64,11 +64,3 @@ class LatentAttention(nn.Module):
     def make_kv_cache(self, batch: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(batch, max_len, 1, self.kv_lora_rank, v_dim=self.rope_dim, dtype=dtype, device=device)
 
-
-def latent_attention_params(args: DecoderArgs) -> int:
-    """Matmul weights of one latent attention (FLOP counts: each token uses all of them)."""
-    heads, qk = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
-    q = args.dim * args.q_lora_rank + args.q_lora_rank * heads * qk if args.q_lora_rank else args.dim * heads * qk
-    kv = args.dim * (args.kv_lora_rank + args.qk_rope_head_dim)
-    kv += args.kv_lora_rank * heads * (args.qk_nope_head_dim + args.v_head_dim)
-    return q + kv + heads * args.v_head_dim * args.dim

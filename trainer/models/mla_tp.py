@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 
 class _SumGradOfColumns(torch.autograd.Function):
@@ -42,7 +42,7 @@ class LatentAttentionParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not hasattr(module, "wkv_a"):  # the decoder's attention: the plan's own entry, if any
-            return self.otherwise._apply(module, device_mesh) if self.otherwise is not None else module
+            return parallelize_module(module, device_mesh, self.otherwise) if self.otherwise is not None else module
         group, start = device_mesh.get_group(), module.kv_lora_rank
         module.wkv_a.register_forward_hook(lambda mod, inputs, out: _SumGradOfColumns.apply(out, start, group))
         if self.sequence_parallel:

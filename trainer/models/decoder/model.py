@@ -321,12 +321,8 @@ class FeedForward(nn.Module):
         return self.w2(gate * self.w3(x))
 
 
-def attention_of(args: DecoderArgs, layer_id: int, *, qk_norm: str | None = None) -> nn.Module:
-    """Block ``layer_id``'s attention as ``args`` describe it: latent attention when ``kv_lora_rank > 0``."""
-    if args.kv_lora_rank:
-        from trainer.models.mla import LatentAttention  # it builds on this module
-
-        return LatentAttention(args)
+def attention_of(args: DecoderArgs, layer_id: int, *, qk_norm: str | None = None) -> Attention:
+    """Block ``layer_id``'s attention as ``args`` describe it."""
     return Attention(args.dim, args.n_heads, args.num_kv_heads, args.head_dim,
                      qk_norm=args.qk_norm if qk_norm is None else qk_norm, norm_eps=args.norm_eps,
                      norm_offset=args.norm_offset, bias=args.qkv_bias, scale=args.attn_scale,
@@ -338,14 +334,15 @@ class TransformerBlock(nn.Module):
     (``attention_norm``, ``ffn_norm``), after it (``attention_out_norm``, ``ffn_out_norm``) or both."""
 
     def __init__(self, args: DecoderArgs, layer_id: int, ffn: nn.Module | None = None, *,
-                 ffn_name: str = "feed_forward", qk_norm: str | None = None):
+                 ffn_name: str = "feed_forward", qk_norm: str | None = None, attention: nn.Module | None = None):
         super().__init__()
         norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_offset)  # noqa: E731
         pre, post = args.norm_placement in ("pre", "sandwich"), args.norm_placement in ("post", "sandwich")
         self.kind = (args.window(layer_id), args.local_rope(layer_id))
         """Which rotary table and mask the block takes: (sliding window or None, local rotary base)."""
         self.attention_norm = norm() if pre else None
-        self.attention = attention_of(args, layer_id, qk_norm=qk_norm)
+        # a family's own attention (latent attention: the MoE model's blocks), else the decoder's
+        self.attention = attention if attention is not None else attention_of(args, layer_id, qk_norm=qk_norm)
         self.attention_out_norm = norm() if post else None
         self.ffn_norm = norm() if pre else None
         self.ffn_name = ffn_name
@@ -468,10 +465,13 @@ def attention_flops(args: DecoderArgs, seq_len: int) -> float:
 
 def attention_params(args: DecoderArgs) -> int:
     """Matmul weights of one block's attention (every token uses all of them)."""
-    if args.kv_lora_rank:
-        from trainer.models.mla import latent_attention_params
-
-        return latent_attention_params(args)
+    if args.kv_lora_rank:  # latent attention (trainer/models/mla.py): low-rank q and kv, then per head
+        heads, qk = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
+        q = (args.dim * args.q_lora_rank + args.q_lora_rank * heads * qk if args.q_lora_rank
+             else args.dim * heads * qk)
+        kv = (args.dim * (args.kv_lora_rank + args.qk_rope_head_dim)
+              + args.kv_lora_rank * heads * (args.qk_nope_head_dim + args.v_head_dim))
+        return q + kv + heads * args.v_head_dim * args.dim
     return args.dim * (2 * args.n_heads * args.head_dim + 2 * args.num_kv_heads * args.head_dim)
 
 

@@ -24,6 +24,7 @@ from trainer.models.decoder.model import (
     decoder_activation_bytes,
     swiglu_activation_bytes,
 )
+from trainer.models.mla import LatentAttention
 from trainer.models.moe.args import MoEArgs
 from trainer.models.registry import ActivationBytes, ExpertLayer
 
@@ -199,13 +200,16 @@ class MoE(nn.Module, ExpertLayer):
 
 class MoEBlock(TransformerBlock):
     """The shared decoder's block whose feed-forward is ``moe`` (a mixture of experts) or, in the first
-    ``n_dense_layers`` blocks, a dense ``feed_forward`` of ``dense_hidden_dim``."""
+    ``n_dense_layers`` blocks, a dense ``feed_forward`` of ``dense_hidden_dim``; its attention latent attention
+    when ``kv_lora_rank > 0``."""
 
     def __init__(self, args: MoEArgs, layer_id: int):
+        attention = LatentAttention(args) if args.kv_lora_rank else None
         if args.is_moe_layer(layer_id):
-            super().__init__(args, layer_id, MoE(args), ffn_name="moe")
+            super().__init__(args, layer_id, MoE(args), ffn_name="moe", attention=attention)
         else:
-            super().__init__(args, layer_id, FeedForward(args.dim, args.dense_hidden_dim, args.activation))
+            super().__init__(args, layer_id, FeedForward(args.dim, args.dense_hidden_dim, args.activation),
+                             attention=attention)
 
 
 class MoETransformer(Transformer):
