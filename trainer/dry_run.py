@@ -76,7 +76,9 @@ def describe_plan(plan: JobPlan) -> str:
     lines = [
         f"Plan: {config.job.description}",
         f"Model: {config.model.name} {config.model.flavor}, {plan.num_params / 1e6:,.2f}M parameters,"
-        f" {plan.flops_per_token / 1e9:.2f} GFLOP/token (training), seq_len {t.seq_len}, attention "
+        + (f" {(plan.num_params - spec.idle_params(plan.model_args)) / 1e6:,.2f}M active per token,"
+           if spec.idle_params else "")
+        + f" {plan.flops_per_token / 1e9:.2f} GFLOP/token (training), seq_len {t.seq_len}, attention "
         + ("block_causal (within documents)" if config.model.attn_mask_type == "block_causal" else "causal")
         + (", varlen: each document alone (CPU only)" if config.model.attn_backend == "varlen" else ""),
         f"World: {dims.describe()}",

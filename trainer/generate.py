@@ -54,17 +54,15 @@ def generate(model, prompt: list[int], *, max_new_tokens: int, eos_id: int | Non
     (included) or ``max_new_tokens``. The model's rotary table must cover the prompt plus ``max_new_tokens``."""
     import torch
 
-    from trainer.models.decoder.model import Attention, KVCache
-
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     tokens = torch.tensor([prompt], device=device)
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    # every attention module that keeps a cache for generation (the decoder's, latent attention's)
+    attentions = [m for m in model.modules() if hasattr(m, "make_kv_cache")]
     if kv_cache:
         dtype = next(model.parameters()).dtype
         for m in attentions:
-            m.kv_cache = KVCache(1, len(prompt) + max_new_tokens, m.wk.out_features // m.head_dim, m.head_dim,
-                                 dtype=dtype, device=device)
+            m.kv_cache = m.make_kv_cache(1, len(prompt) + max_new_tokens, dtype=dtype, device=device)
     out: list[int] = []
     stops = set(stop_ids) | ({eos_id} if eos_id is not None else set())
     try:

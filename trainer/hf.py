@@ -198,13 +198,22 @@ def _weight_map(folder: Path, key: str = _KEY) -> dict[str, str]:
     return weight_map
 
 
-def _read_tensor(folder: Path, weight_map: dict[str, str], tensor: str, name: str, key: str) -> torch.Tensor:
-    """The tensor ``tensor`` of the folder (for our ``name``); stored as MXFP4 (``<tensor>_blocks`` and
-    ``<tensor>_scales``, as gpt-oss's experts are published), dequantized."""
+def _read_tensor(folder: Path, weight_map: dict[str, str], tensor: str, name: str, key: str,
+                 block: tuple[int, int]) -> torch.Tensor:
+    """The tensor ``tensor`` of the folder (for our ``name``); stored as float8 with block scales
+    (``<tensor>_scale_inv`` per ``block``, DeepSeek-V3) or as MXFP4 (``<tensor>_blocks`` and ``<tensor>_scales``,
+    gpt-oss's experts), dequantized."""
     read = lambda t: _read_safetensors(folder / weight_map[t], lambda f: f.get_tensor(t),  # noqa: E731
                                        f" (named by {INDEX} for {t!r})", key)
     if tensor in weight_map:
-        return read(tensor)
+        part = read(tensor)
+        if part.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = tensor.removesuffix("weight") + "weight_scale_inv"
+            if not tensor.endswith("weight") or scale not in weight_map:
+                raise UserError(f"{key}: {folder} tensor {tensor!r} is {part.dtype} without a {scale!r} to"
+                                " dequantize it by; convert the folder to bfloat16 first")
+            part = dequantize_fp8(part, read(scale), block, f"{key}: {folder} {scale}")
+        return part
     if f"{tensor}_blocks" in weight_map and f"{tensor}_scales" in weight_map:
         blocks, scales = read(f"{tensor}_blocks"), read(f"{tensor}_scales")
         try:
@@ -242,11 +251,20 @@ def load_hf_(chunks, spec: ModelSpec, args, folder: Path, key: str = _KEY) -> No
     hf = _adapter(spec)
     weight_map = _weight_map(folder, key)
     aliases = spec.tied_aliases(args)
+    block = _fp8_block(folder, key)
+
     for chunk in chunks:
-        for name, param in chunk.named_parameters():
+        # the parameters, and the buffers kept in checkpoints (e.g. a router's choosing bias); a buffer the folder
+        # lacks keeps its initial value (a bias that starts at zero)
+        saved = set(chunk.state_dict().keys())
+        buffers = [(n, b) for n, b in chunk.named_buffers() if n in saved]
+        for name, param in [*chunk.named_parameters(), *buffers]:
             source = aliases.get(name, name)
             keys = hf.names(source, args)
-            parts = [_read_tensor(folder, weight_map, tensor, name, key) for tensor in keys]
+            if any(t not in weight_map for t in keys) and name in dict(buffers):
+                logger.info("%s has no %s: %s keeps its initial value", folder, keys[0], name)
+                continue
+            parts = [_read_tensor(folder, weight_map, tensor, name, key, block) for tensor in keys]
             full = torch.stack(parts) if len(keys) > 1 else parts[0]
             shown = keys[0] if len(keys) == 1 else f"{keys[0]} ... ({len(keys)} stacked)"
             try:  # the layout (a transpose, a slice of a joined tensor) is the adapter's: compare what it gives
@@ -258,3 +276,25 @@ def load_hf_(chunks, spec: ModelSpec, args, folder: Path, key: str = _KEY) -> No
                                 f" model's {tuple(param.shape)}")
             copy_full_(param, ours)
     logger.info("weights loaded from Hugging Face folder %s", folder)
+
+
+def _fp8_block(folder: Path, key: str) -> tuple[int, int]:
+    """The block of one scale of a float8 checkpoint (config.json quantization_config.weight_block_size)."""
+    path = folder / "config.json"
+    quant = read_json(path, key, what="model config").get("quantization_config") if path.is_file() else None
+    size = (quant or {}).get("weight_block_size", [128, 128]) if isinstance(quant, dict) else [128, 128]
+    if not (isinstance(size, list) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size)):
+        raise UserError(f"{key}: {path} quantization_config.weight_block_size = {size!r}: expected two block sizes")
+    return size[0], size[1]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], where: str) -> torch.Tensor:
+    """A float8 weight (rows, cols) times its per-block scales (one per ``block`` of rows x cols, the last blocks
+    cut short), in float32."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale_inv.shape) != expected:
+        raise UserError(f"{where} has shape {tuple(scale_inv.shape)}: {block[0]}x{block[1]} blocks of a"
+                        f" {rows}x{cols} weight take {expected}")
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale

@@ -108,6 +108,22 @@ def bigger_tokenizer(folder):
     Tokenizer(max_ranks=VOCAB + 100).save_hf(folder)
 
 
+# The tiny folder's config.json turned into a DeepSeek-V3 one (the weights are never reached): a key of that family
+# changed or removed.
+DEEPSEEK = {"model_type": "deepseek_v3", "kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+            "topk_group": 2, "n_shared_experts": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1}
+
+
+def deepseek(name: str, edit: dict, n: int, words: str):
+    def change(d):
+        d = {**d, **DEEPSEEK, **edit}
+        return {k: v for k, v in d.items() if v is not ...}  # ...: the key removed
+
+    return (convert.run, lambda f: ["from-hf", variant(f, name, edit_json("config.json", change)), str(f / f"o{n}")],
+            words)
+
+
 # (command, argv builder (folders -> argv), words the error line must hold)
 CASES = {
     "from-hf out below a file": (convert.run, lambda f: ["from-hf", str(f / "hf"), str(f / "hf" / "config.json" / "o")],
@@ -222,6 +238,18 @@ CASES = {
                                    r"--verify: .*config.json is a file, not a folder prepared with"),
     "prepare into a folder below a file": (prepare.run, lambda f: [str(f / "hf" / "config.json" / "o")],
                                            r"output folder .*config.json/o: cannot create"),
+    "deepseek_v3 without kv_lora_rank": deepseek("ds-kv", {"kv_lora_rank": ...}, 7,
+                                                 r"config.json has no 'kv_lora_rank', which the model needs"),
+    "deepseek_v3 n_group 3 of 8 experts": deepseek("ds-group", {"n_group": 3}, 7,
+                                                   r"config.json n_group = 3: must divide n_routed_experts = 8"),
+    "deepseek_v3 topk_group > n_group": deepseek("ds-topk", {"topk_group": 5}, 7,
+                                                 r"config.json topk_group = 5: must be <= n_group = 4"),
+    "deepseek_v3 scoring_func tanh": deepseek("ds-score", {"scoring_func": "tanh"}, 7,
+                                              r"config.json scoring_func = 'tanh': the deepseek_v3 family computes"
+                                              r" only 'sigmoid'"),
+    "deepseek_v3 topk_method greedy": deepseek("ds-method", {"topk_method": "greedy"}, 7,
+                                               r"config.json topk_method = 'greedy': the deepseek_v3 family computes"
+                                               r" only 'noaux_tc'"),
     "measure_costs --dry-run": (
         measure_costs.run, lambda f: ["--dry-run"], r"--dry-run: a flag of train.py, not of measure_costs"),
     "measure_costs a microbatch that cannot fit": (

@@ -28,6 +28,14 @@ LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_f
            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
 GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+# DeepSeek-V3 at tiny size: latent attention (q through a latent, or one projection), yarn with DeepSeek's two
+# mscales (the softmax scale), 8 experts in 4 groups of which 2 are eligible, a shared expert, the first block dense.
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                 "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+                                 "rope_theta": 10000.0})
 # case: (our family, transformers model class, config class, options)
 CASES = {
     "llama-3.1": ("llama3", T.LlamaForCausalLM, T.LlamaConfig, dict(rope_parameters=LLAMA31)),
@@ -59,6 +67,9 @@ CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_parameters={
             "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
+    "deepseek_v3": ("deepseek_v3", T.DeepseekV3ForCausalLM, T.DeepseekV3Config, DEEPSEEK),
+    "deepseek_v3-no-q-lora": ("deepseek_v3", T.DeepseekV3ForCausalLM, T.DeepseekV3Config, dict(
+        DEEPSEEK, q_lora_rank=None, num_hidden_layers=2)),
 }
 
 
@@ -72,6 +83,9 @@ def hf_model(case: str):
                 p.add_(0.3 * torch.randn(p.shape))
             elif name.endswith(("proj.bias", "_bias", "router.bias", "sinks")):  # sinks and biases (gpt-oss)
                 p.add_(0.5 * torch.randn(p.shape))
+        for name, b in model.named_buffers():  # DeepSeek's choosing bias, on the scale of the scores
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape))
     return model
 
 

@@ -54,3 +54,17 @@ def test_a_mixture_of_experts_config_plans_with_expert_parallelism(name, tmp_pat
                                                                                                    rel=0.02)
     text = describe_plan(plan)
     assert line in text and f"dp_shard {world} * cp 1 * tp 1 * pp 1 = {world} ranks (ep 8 of dp_shard)" in text
+
+
+def test_the_deepseek_v3_config_plans_on_256_gpus_with_expert_parallelism(tmp_path):
+    """DeepSeek-V3 671B (37B active per token, the model card's counts) on 32 nodes: PP 8 x FSDP 32 with its experts
+    sharded 32 ways."""
+    plan = load_plan(["--job.dump_folder", str(tmp_path)], 256, config_file="configs/deepseek_v3_671b.toml",
+                     check_memory=False)
+    assert plan.spec.name == "deepseek_v3"
+    assert plan.num_params == pytest.approx(671e9, rel=0.02)
+    active = plan.num_params - plan.spec.idle_params(plan.model_args)
+    assert active == pytest.approx(37e9, rel=0.02)
+    text = describe_plan(plan)
+    assert f"Model: deepseek_v3 671B, {plan.num_params / 1e6:,.2f}M parameters, {active / 1e6:,.2f}M active" in text
+    assert "dp_shard 32 * cp 1 * tp 1 * pp 8 = 256 ranks (ep 32 of dp_shard)" in text

@@ -31,7 +31,8 @@ def _write(a: MoEArgs) -> dict:
 
 
 def _why_not(a: MoEArgs) -> str | None:
-    if a.n_dense_layers or a.n_shared_experts or a.bias_update_speed or a.score_func != "softmax" \
+    if a.n_dense_layers or a.n_shared_experts or a.bias_update_speed or a.expert_bias or a.n_expert_groups > 1 \
+            or a.score_func != "softmax" \
             or not a.norm_topk or a.route_scale != 1.0:
         return ("a dense block, shared experts, a balancing bias or routing other than softmax top-k renormalised"
                 " (Mixtral routes softmax top-k in every block)")

@@ -171,6 +171,9 @@ class ModelSpec:
     after_step: Callable[[nn.Module, Callable[[Any], Any]], dict[str, float]] | None = None
     """(chunk, sum over the batch's ranks) -> metrics: called on every chunk after each optimizer step
     (e.g. MoE load counts and balancing-bias updates). The metrics go to TensorBoard under the family's name."""
+    idle_params: Callable[[Any], int] | None = None
+    """args -> parameters a token does not use (the routed experts it is not sent to); the dry run prints the
+    rest as the active parameters."""
     num_experts: Callable[[Any], int] | None = None
     """args -> routed experts per MoE layer; families with experts support expert parallelism."""
     activation_bytes: Callable[..., ActivationBytes | str] | None = None

@@ -44,6 +44,15 @@ class DecoderArgs:
     global_every: int = 0
     """With a sliding window: 0 = every layer slides; N = every N-th layer (N-1, 2N-1, ...) attends in full (Gemma 2:
     2, Gemma 3: 6)."""
+    # -- multi-head latent attention (DeepSeek-V2/V3; trainer/models/mla.py), on when kv_lora_rank > 0 -----------
+    # Keys and values come from one shared latent of kv_lora_rank per token (plus a rotary key of qk_rope_head_dim
+    # shared by every head); queries through a latent of q_lora_rank (0: one full projection). Each head's query
+    # and key are qk_nope_head_dim unrotated dimensions then qk_rope_head_dim rotated ones; its value v_head_dim.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
     # -- rotary embeddings ----------------------------------------------------------------------------------
     rope_scaling: RopeScaling = "none"
     """Llama 3.1's "llama3", "linear" (position interpolation), "dynamic" (NTK), "yarn" (DeepSeek-V3, gpt-oss)."""
@@ -74,8 +83,8 @@ class DecoderArgs:
 
     @property
     def rope_dim(self) -> int:
-        """The dimensions of each head that rotary embeddings rotate (all of them here)."""
-        return self.head_dim
+        """The dimensions of each head that rotary embeddings rotate (all of them, or latent attention's rope part)."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
     @property
     def num_kv_heads(self) -> int:
@@ -147,10 +156,12 @@ def validate_decoder_args(a: DecoderArgs) -> None:
             raise bad(key, "must be >= 0 (0 = none)")
     if a.head_dim_override is None and a.dim % a.n_heads:
         raise bad("n_heads", f"must divide dim={a.dim} (or set head_dim_override)")
-    if a.head_dim % 2:
+    if a.kv_lora_rank:
+        validate_latent_args(a, bad)
+    elif a.head_dim % 2:
         raise bad("head_dim_override" if a.head_dim_override is not None else "n_heads",
                   f"the head size {a.head_dim} must be even (rotary embeddings)")
-    if a.n_heads % a.num_kv_heads:
+    if a.n_heads % a.num_kv_heads and not a.kv_lora_rank:
         raise bad("n_kv_heads", f"must divide n_heads={a.n_heads} (grouped-query attention)")
     if (a.ffn_dim_multiplier or 1.0) * 8 * a.dim / 3 > MAX_SIZE:
         raise bad("ffn_dim_multiplier" if a.ffn_dim_multiplier else "dim",
@@ -167,3 +178,23 @@ def validate_decoder_args(a: DecoderArgs) -> None:
                              if a.attn_softcap else "attention sinks")
                           + ', which attending each document alone with the causal kernel does not compute;'
                             ' use attn_backend = "sdpa"')
+
+
+def validate_latent_args(a: DecoderArgs, bad) -> None:
+    for key in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not 0 <= getattr(a, key) <= MAX_SIZE:
+            raise bad(key, f"must be between 0 and {MAX_SIZE}")
+    for key in ("qk_rope_head_dim", "v_head_dim"):
+        if getattr(a, key) < 1:
+            raise bad(key, "must be >= 1 with latent attention (kv_lora_rank > 0)")
+    if a.qk_rope_head_dim % 2:
+        raise bad("qk_rope_head_dim", "must be even (rotary embeddings rotate pairs)")
+    if a.head_dim != a.qk_nope_head_dim + a.qk_rope_head_dim:
+        raise bad("head_dim_override", f"must be qk_nope_head_dim + qk_rope_head_dim = "
+                                       f"{a.qk_nope_head_dim + a.qk_rope_head_dim} with latent attention (the query"
+                                       " and key head size)")
+    if a.num_kv_heads != a.n_heads:
+        raise bad("n_kv_heads", f"must be n_heads={a.n_heads} with latent attention (every head has its keys)")
+    if a.qkv_bias or a.qk_norm != "none" or a.attn_softcap or a.sliding_window:
+        raise ConfigError("[model.overrides] kv_lora_rank: latent attention takes no qkv_bias, qk_norm, attn_softcap"
+                          " or sliding_window")

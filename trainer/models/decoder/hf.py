@@ -249,7 +249,7 @@ OPTIONS = {"qkv_bias": False, "attn_out_bias": False, "attn_sinks": False,
            "qk_norm": "none", "attn_scale": None, "attn_softcap": 0.0, "sliding_window": 0,
            "global_every": 0, "rope_local_theta": None, "norm_placement": "pre", "norm_offset": 0.0,
            "activation": "silu", "embedding_scale": 1.0, "residual_scale": 1.0, "logit_scale": 1.0,
-           "final_softcap": 0.0}
+           "final_softcap": 0.0, "kv_lora_rank": 0}
 
 
 def beyond(args: DecoderArgs, architecture: str, holds: set[str] = frozenset()) -> str | None:

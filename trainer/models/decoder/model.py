@@ -194,30 +194,48 @@ class Attention(nn.Module):
         start = 0 if cache is None else cache.length
         q, k = apply_rope(q, rope[start:]), apply_rope(k, rope[start:])
         if cache is not None:
-            if isinstance(mask, DocumentLengths) or (mask is not None and start == 0 and self.window is None):
-                raise ValueError("generation with a KV cache takes one document: no mask")
             k, v = cache.append(k, v)
-            mask = cache_mask(start, seq, self.window, x.device)
-        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads. On CUDA, no fused kernel
-        # takes both a mask and grouped heads (flash takes no mask, memory-efficient no enable_gqa), and the
-        # fallback keeps every head's scores: with a mask, the kv heads are repeated instead (the CPU kernel
-        # takes both).
-        grouped = q.shape[2] != k.shape[2]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        causal = mask is None and (start == 0 or seq == 1)
-        if isinstance(mask, DocumentLengths):
-            out = per_document_attention(q, k, v, mask, enable_gqa=grouped)
-        elif self.softcap is not None or self.sinks is not None:
-            sinks = None if self.sinks is None else local_tensor(self.sinks.weight)  # this rank's heads under TP
-            out = materialized_attention(q, k, v, mask, scale=self.scale or self.head_dim**-0.5, softcap=self.softcap,
-                                         sinks=sinks, causal=causal and seq > 1)
-        else:
-            if grouped and mask is not None and q.is_cuda:
-                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-                grouped = False
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and seq > 1,
-                                                 scale=self.scale, enable_gqa=grouped)
-        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+        sinks = None if self.sinks is None else local_tensor(self.sinks.weight)  # this rank's heads under TP
+        out = attend(q, k, v, mask, start=start, window=self.window, scale=self.scale, softcap=self.softcap,
+                     sinks=sinks, cached=cache is not None)
+        return self.wo(out.reshape(bs, seq, -1))
+
+    def make_kv_cache(self, batch: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> "KVCache":
+        """An empty cache for generation of up to ``max_len`` positions (trainer/generate.py installs it)."""
+        return KVCache(batch, max_len, self.wk.out_features // self.head_dim, self.head_dim, dtype=dtype,
+                       device=device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: "torch.Tensor | DocumentLengths | None", *,
+           start: int = 0, window: int | None = None, scale: float | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None, cached: bool = False) -> torch.Tensor:
+    """Attention of (batch, seq, heads, head_dim) ``q``, ``k``, ``v`` (v's head size may differ) -> (batch, seq,
+    heads, v's head_dim). ``mask`` as Attention.forward takes it; ``cached``: generation with a KV cache, whose
+    ``start`` earlier positions come first in ``k`` and ``v``; ``sinks``: one logit per query head (gpt-oss)."""
+    seq = q.shape[1]
+    if cached:
+        if isinstance(mask, DocumentLengths) or (mask is not None and start == 0 and window is None):
+            raise ValueError("generation with a KV cache takes one document: no mask")
+        mask = cache_mask(start, seq, window, q.device)
+    # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads. On CUDA, no fused kernel
+    # takes both a mask and grouped heads (flash takes no mask, memory-efficient no enable_gqa), and the
+    # fallback keeps every head's scores: with a mask, the kv heads are repeated instead (the CPU kernel
+    # takes both).
+    grouped = q.shape[2] != k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    causal = mask is None and (start == 0 or seq == 1)
+    if isinstance(mask, DocumentLengths):
+        out = per_document_attention(q, k, v, mask, enable_gqa=grouped, scale=scale)
+    elif softcap is not None or sinks is not None:
+        out = materialized_attention(q, k, v, mask, scale=scale or q.shape[-1]**-0.5, softcap=softcap, sinks=sinks,
+                                     causal=causal and seq > 1)
+    else:
+        if grouped and mask is not None and q.is_cuda:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            grouped = False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and seq > 1, scale=scale,
+                                             enable_gqa=grouped)
+    return out.transpose(1, 2)
 
 
 def cache_mask(start: int, seq: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -250,14 +268,15 @@ class DocumentLengths:
 
 
 def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: DocumentLengths, *,
-                           enable_gqa: bool) -> torch.Tensor:
+                           enable_gqa: bool, scale: float | None = None) -> torch.Tensor:
     """Attention of (batch, heads, seq, head_dim) ``q``, ``k``, ``v`` within each document alone, causal inside
     it: the causal kernel once per document, on that document's rows only, so the cost is the sum of the
     squared document lengths, not the squared window. Splitting (rather than slicing) each window makes
     backward one concatenation per tensor instead of a zero-filled full-size gradient per document."""
     windows = []
     for qw, kw, vw, sizes in zip(q.unbind(0), k.unbind(0), v.unbind(0), lengths.per_window, strict=True):
-        parts = [F.scaled_dot_product_attention(a[None], b[None], c[None], is_causal=True, enable_gqa=enable_gqa)
+        parts = [F.scaled_dot_product_attention(a[None], b[None], c[None], is_causal=True, scale=scale,
+                                                enable_gqa=enable_gqa)
                  for a, b, c in zip(qw.split(sizes, dim=1), kw.split(sizes, dim=1), vw.split(sizes, dim=1))]
         windows.append(torch.cat(parts, dim=2)[0])
     return torch.stack(windows)
@@ -295,9 +314,9 @@ class KVCache:
     """One attention layer's keys and values of the positions generated so far, in buffers of ``max_len``."""
 
     def __init__(self, batch: int, max_len: int, kv_heads: int, head_dim: int, *, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, v_dim: int | None = None):
         self.k = torch.empty(batch, max_len, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        self.v = torch.empty(batch, max_len, kv_heads, v_dim or head_dim, dtype=dtype, device=device)
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,14 +359,15 @@ class TransformerBlock(nn.Module):
     (``attention_norm``, ``ffn_norm``), after it (``attention_out_norm``, ``ffn_out_norm``) or both."""
 
     def __init__(self, args: DecoderArgs, layer_id: int, ffn: nn.Module | None = None, *,
-                 ffn_name: str = "feed_forward", qk_norm: str | None = None):
+                 ffn_name: str = "feed_forward", qk_norm: str | None = None, attention: nn.Module | None = None):
         super().__init__()
         norm = lambda: RMSNorm(args.dim, args.norm_eps, args.norm_offset)  # noqa: E731
         pre, post = args.norm_placement in ("pre", "sandwich"), args.norm_placement in ("post", "sandwich")
         self.kind = (args.window(layer_id), args.local_rope(layer_id))
         """Which rotary table and mask the block takes: (sliding window or None, local rotary base)."""
         self.attention_norm = norm() if pre else None
-        self.attention = attention_of(args, layer_id, qk_norm=qk_norm)
+        # a family's own attention (latent attention: the MoE model's blocks), else the decoder's
+        self.attention = attention if attention is not None else attention_of(args, layer_id, qk_norm=qk_norm)
         self.attention_out_norm = norm() if post else None
         self.ffn_norm = norm() if pre else None
         self.ffn_name = ffn_name
@@ -461,19 +481,31 @@ class Transformer(nn.Module):
 
 def attention_flops(args: DecoderArgs, seq_len: int) -> float:
     """Training FLOPs per token of the attention scores (QK^T and AV, forward and backward, as in the PaLM
-    paper): 12 * head_dim * n_heads * keys per layer, with a sliding window's keys capped at the window."""
+    paper): 6 * (q/k head size + v head size) * n_heads * keys per layer, with a sliding window's keys capped at the
+    window."""
     keys = sum(min(seq_len, args.window(i) or seq_len) for i in range(args.n_layers))
-    return 12 * args.n_heads * args.head_dim * keys
+    v_dim = args.v_head_dim if args.kv_lora_rank else args.head_dim
+    return 6 * args.n_heads * (args.head_dim + v_dim) * keys
+
+
+def attention_params(args: DecoderArgs) -> int:
+    """Matmul weights of one block's attention (every token uses all of them)."""
+    if args.kv_lora_rank:  # latent attention (trainer/models/mla.py): low-rank q and kv, then per head
+        heads, qk = args.n_heads, args.qk_nope_head_dim + args.qk_rope_head_dim
+        q = (args.dim * args.q_lora_rank + args.q_lora_rank * heads * qk if args.q_lora_rank
+             else args.dim * heads * qk)
+        kv = (args.dim * (args.kv_lora_rank + args.qk_rope_head_dim)
+              + args.kv_lora_rank * heads * (args.qk_nope_head_dim + args.v_head_dim))
+        return q + kv + heads * args.v_head_dim * args.dim
+    return args.dim * (2 * args.n_heads * args.head_dim + 2 * args.num_kv_heads * args.head_dim)
 
 
 def decoder_flops_per_token(args: DecoderArgs, seq_len: int) -> float:
     """Training FLOPs per token: 6 per weight of every matmul plus the attention scores.
 
     The embedding lookup is not a matmul; the output projection is."""
-    q_dim, kv_dim = args.n_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    attn = args.dim * (2 * q_dim + 2 * kv_dim)
     mlp = 3 * args.dim * args.ffn_hidden_dim
-    matmul_params = args.n_layers * (attn + mlp) + args.dim * args.vocab_size
+    matmul_params = args.n_layers * (attention_params(args) + mlp) + args.dim * args.vocab_size
     return 6 * matmul_params + attention_flops(args, seq_len)
 
 
@@ -493,6 +525,7 @@ def decoder_activation_bytes(args: DecoderArgs, *, dtype_bytes: int, tp: int = 1
     (post-branch norms, a norm of the whole q/k projection, soft-capped attention logits, offset norms,
     GeGLU, scaled embeddings, residuals or logits) are not modelled."""
     unmodelled = [name for name, on in (
+        ("latent attention", bool(args.kv_lora_rank)),
         ("norms after the branches", args.norm_placement != "pre"), ("q/k norm over the projection",
                                                                       args.qk_norm == "projection"),
         ("soft-capped attention logits", bool(args.attn_softcap)), ("attention sinks", args.attn_sinks),

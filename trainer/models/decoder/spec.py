@@ -4,6 +4,7 @@ checks, and the family's own flavors and Hugging Face mapping."""
 from trainer.models.decoder.args import DecoderArgs, validate_decoder_args
 from trainer.models.decoder.model import (TIED_WEIGHTS, Transformer, decoder_activation_bytes,
                                           decoder_flops_per_token)
+from trainer.errors import ConfigError
 from trainer.models.registry import HFAdapter, ModelSpec
 
 
@@ -12,6 +13,13 @@ def build_tp_plan(**kwargs):
     from trainer.models.decoder.tp_plan import build_tp_plan as build
 
     return build(**kwargs)
+
+
+def validate_dense_args(args: DecoderArgs) -> None:
+    if args.kv_lora_rank:
+        raise ConfigError(f"[model.overrides] kv_lora_rank={args.kv_lora_rank}: latent attention is built by the"
+                          " mixture-of-experts families (deepseek_v3, moe), not by this dense one")
+    validate_decoder_args(args)
 
 
 def decoder_job_limits(args: DecoderArgs, dims) -> str | None:
@@ -42,6 +50,6 @@ def decoder_spec(name: str, flavors: dict[str, DecoderArgs], hf: HFAdapter, **ex
         name=name, model_cls=Transformer, flavors=flavors, flops_per_token=decoder_flops_per_token,
         build_tp_plan=build_tp_plan, tied_weights=TIED_WEIGHTS,
         tp_divisible=lambda args: {"n_heads": args.n_heads, "n_kv_heads": args.num_kv_heads}, positions=True,
-        activation_bytes=decoder_activation_bytes, validate_args=validate_decoder_args,
+        activation_bytes=decoder_activation_bytes, validate_args=validate_dense_args,
         job_limits=decoder_job_limits, hf=hf)
     return ModelSpec(**{**fields, **extra})

@@ -3,7 +3,8 @@
 from trainer.models.decoder.model import TIED_WEIGHTS
 from trainer.models.moe import hf
 from trainer.models.moe.args import FLAVORS, MoEArgs, validate_moe_args
-from trainer.models.moe.model import MoE, MoETransformer, moe_activation_bytes, moe_after_step, moe_flops_per_token
+from trainer.models.moe.model import (MoE, MoETransformer, moe_activation_bytes, moe_after_step, moe_flops_per_token,
+                                      moe_idle_params)
 from trainer.models.decoder.spec import decoder_job_limits
 from trainer.models.registry import ModelSpec, register_model
 
@@ -42,6 +43,7 @@ def moe_spec(name: str, flavors: dict[str, MoEArgs], hf_adapter) -> ModelSpec:
         validate_args=validate_moe_args,
         after_step=moe_after_step,
         num_experts=lambda args: args.n_experts,
+        idle_params=moe_idle_params,
         hf=hf_adapter,
     )
 

@@ -26,6 +26,10 @@ class MoEArgs(DecoderArgs):
     expert_hidden_dim: int = 768
     n_shared_experts: int = 0  # always-on SwiGLU experts of expert_hidden_dim each (DeepSeek), fused into one
     score_func: Literal["softmax", "sigmoid"] = "softmax"
+    # Grouped top-k (DeepSeek-V3): the experts form n_expert_groups equal groups, each scored by the sum of its two
+    # best (biased) scores; a token chooses only among the experts of its topk_groups best groups.
+    n_expert_groups: int = 1
+    topk_groups: int = 1
     norm_topk: bool = True  # the k chosen weights are renormalised to sum to 1
     route_scale: float = 1.0  # the chosen weights are multiplied by this
     router_bias: bool = False  # the router's logits have a learned bias (gpt-oss)
@@ -40,6 +44,7 @@ class MoEArgs(DecoderArgs):
     # bias added to its score for choosing only, moved by this much per step towards equal load.
     # aux_loss_coef > 0: a sequence-wise balance loss of this weight is added to the training objective.
     bias_update_speed: float = 0.0
+    expert_bias: bool = False  # keep the per-expert choosing bias even when bias_update_speed = 0 (an imported one)
     aux_loss_coef: float = 0.0
     # Expert compute: torch._grouped_mm (all experts in one kernel per projection) where it runs, on CUDA in bf16;
     # false = one matmul chain per expert everywhere (the path every other device and dtype takes).
@@ -83,6 +88,16 @@ def validate_moe_args(a: MoEArgs) -> None:
             raise bad(key, "must be >= 0 (0 = off)")
     if a.top_k > a.n_experts:
         raise bad("top_k", f"must be <= n_experts={a.n_experts}")
+    if a.n_expert_groups < 1 or a.n_experts % a.n_expert_groups:
+        raise bad("n_expert_groups", f"must divide n_experts={a.n_experts}")
+    if a.n_expert_groups > 1 and a.n_experts // a.n_expert_groups < 2:
+        raise bad("n_expert_groups", f"must leave at least 2 experts per group (n_experts={a.n_experts}): a group is"
+                                     " scored by its two best experts")
+    if not 1 <= a.topk_groups <= a.n_expert_groups:
+        raise bad("topk_groups", f"must be between 1 and n_expert_groups={a.n_expert_groups}")
+    if a.top_k > a.topk_groups * (a.n_experts // a.n_expert_groups):
+        raise bad("top_k", f"must be <= the experts of topk_groups={a.topk_groups} groups"
+                           f" ({a.topk_groups * (a.n_experts // a.n_expert_groups)})")
     if a.score_func not in ("softmax", "sigmoid"):
         raise bad("score_func", "must be 'softmax' or 'sigmoid'")
     if a.expert_activation not in ("swiglu", "swiglu_clamped"):

@@ -31,8 +31,10 @@ def unsupported(args: MoEArgs) -> str | None:
         return why
     if args.n_shared_experts:
         return "n_shared_experts > 0 (Qwen 3 MoE has no shared experts)"
-    if args.bias_update_speed > 0:
-        return "bias_update_speed > 0 (Qwen 3 MoE has no load-balancing bias)"
+    if args.bias_update_speed > 0 or args.expert_bias:
+        return "bias_update_speed > 0 or expert_bias = true (Qwen 3 MoE has no load-balancing bias)"
+    if args.n_expert_groups > 1:
+        return "n_expert_groups > 1 (Qwen 3 MoE routes over all experts)"
     if args.score_func != "softmax" or not args.norm_topk or args.route_scale != 1.0:
         return "routing other than softmax scores, norm_topk = true and route_scale = 1.0 (Qwen 3 MoE routing)"
     if args.qk_norm != "head":

@@ -21,9 +21,11 @@ from trainer.models.decoder.model import (
     TransformerBlock,
     attention_activation_bytes,
     attention_flops,
+    attention_params,
     decoder_activation_bytes,
     swiglu_activation_bytes,
 )
+from trainer.models.mla import LatentAttention
 from trainer.models.moe.args import MoEArgs
 from trainer.models.registry import ActivationBytes, ExpertLayer
 
@@ -42,7 +44,8 @@ class Router(nn.Module):
         self.gate = nn.Linear(args.dim, args.n_experts, bias=args.router_bias)
         self.top_k, self.score_func = args.top_k, args.score_func
         self.norm_topk, self.route_scale = args.norm_topk, args.route_scale
-        if args.bias_update_speed > 0:
+        self.groups, self.topk_groups = args.n_expert_groups, args.topk_groups
+        if args.bias_update_speed > 0 or args.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
         else:
             self.expert_bias = None
@@ -52,8 +55,14 @@ class Router(nn.Module):
         bias = None if self.gate.bias is None else local_tensor(self.gate.bias).float()
         logits = F.linear(x.float(), local_tensor(self.gate.weight).float(), bias)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        choose = scores if self.expert_bias is None else scores + self.expert_bias
-        experts = torch.sort(choose.detach(), dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        choose = (scores if self.expert_bias is None else scores + self.expert_bias).detach()
+        if self.groups > 1:  # only the experts of the topk_groups groups with the best two-expert sums compete
+            by_group = choose.view(choose.shape[0], self.groups, -1)
+            group_scores = by_group.topk(2, dim=-1).values.sum(-1)
+            best = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, : self.topk_groups]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+            choose = by_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        experts = torch.sort(choose, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
         weights = scores.gather(-1, experts)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
@@ -228,13 +237,16 @@ class MoE(nn.Module, ExpertLayer):
 
 class MoEBlock(TransformerBlock):
     """The shared decoder's block whose feed-forward is ``moe`` (a mixture of experts) or, in the first
-    ``n_dense_layers`` blocks, a dense ``feed_forward`` of ``dense_hidden_dim``."""
+    ``n_dense_layers`` blocks, a dense ``feed_forward`` of ``dense_hidden_dim``; its attention latent attention
+    when ``kv_lora_rank > 0``."""
 
     def __init__(self, args: MoEArgs, layer_id: int):
+        attention = LatentAttention(args) if args.kv_lora_rank else None
         if args.is_moe_layer(layer_id):
-            super().__init__(args, layer_id, MoE(args), ffn_name="moe")
+            super().__init__(args, layer_id, MoE(args), ffn_name="moe", attention=attention)
         else:
-            super().__init__(args, layer_id, FeedForward(args.dim, args.dense_hidden_dim, args.activation))
+            super().__init__(args, layer_id, FeedForward(args.dim, args.dense_hidden_dim, args.activation),
+                             attention=attention)
 
 
 class MoETransformer(Transformer):
@@ -288,14 +300,18 @@ def moe_flops_per_token(args: MoEArgs, seq_len: int) -> float:
     """Training FLOPs per token from the parameters each token uses: attention, the dense blocks'
     feed-forward, and per MoE block the router, the k routed experts and the shared experts
     (6 per active matmul weight), plus attention scores as for Llama."""
-    kv_dim = args.num_kv_heads * args.head_dim
-    q_dim = args.n_heads * args.head_dim
-    attn = args.dim * (2 * q_dim + 2 * kv_dim)
+    attn = attention_params(args)
     n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
     dense = (args.n_layers - n_moe) * 3 * args.dim * args.dense_hidden_dim
     active = args.dim * args.n_experts + 3 * args.dim * args.expert_hidden_dim * (args.top_k + args.n_shared_experts)
     matmul_params = args.n_layers * attn + dense + n_moe * active + args.dim * args.vocab_size
     return 6 * matmul_params + attention_flops(args, seq_len)
+
+
+def moe_idle_params(args: MoEArgs) -> int:
+    """The routed experts' weights a token does not use: n_experts - top_k of them in each MoE block."""
+    n_moe = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    return n_moe * (args.n_experts - args.top_k) * 3 * args.dim * args.expert_hidden_dim
 
 
 def moe_activation_bytes(args: MoEArgs, *, dtype_bytes: int, tp: int = 1, sequence_parallel: bool = False,
