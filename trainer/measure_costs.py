@@ -67,32 +67,14 @@ def time_parts(model, blocks: list, inputs, labels, loss_fn, *, steps: int, warm
     post]}, over ``steps`` microbatches after ``warmup``. ``blocks``: the model's blocks in the order they run."""
     import torch
 
+    from trainer.profiling.timeline import hook_block_boundaries
+
     n = len(blocks)
     state = {"clock": None, "kind": None, "first_input": None}
-
-    def starts(index):
-        def hook(module, args):
-            if state["clock"] is None or state["kind"] != "F":  # not timing, or a recomputation in a backward
-                return
-            state["clock"].mark(("F", index))
-            # the hidden state: the first input that carries a gradient (a block may take the rotary table first)
-            hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-            if hidden is not None:
-                if index == 0:
-                    state["first_input"] = hidden
-                hidden.register_hook(lambda grad: state["clock"].mark((state["kind"], index)))
-        return hook
-
-    def ends(module, args, output):
-        clock = state["clock"]
-        if clock is None or state["kind"] != "F":
-            return
-        clock.mark(("F", n))
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda grad: state["clock"].mark((state["kind"], n)))
-
-    handles = [b.register_forward_pre_hook(starts(i)) for i, b in enumerate(blocks)]
-    handles.append(blocks[-1].register_forward_hook(ends))
+    # boundaries are marked in a timed forward (not in a backward's recomputation) and as the backward reaches them
+    handles = hook_block_boundaries(blocks, lambda: state["clock"] is not None and state["kind"] == "F",
+                                    lambda boundary: state["clock"].mark((state["kind"], boundary)),
+                                    lambda hidden: state.update(first_input=hidden))
     samples: dict[str, list[list[float]]] = {k: [] for k in ("F", "B", "I")}
     try:
         for step in range(warmup + steps):

@@ -6,6 +6,7 @@ calibration. docs/pipeline.md, "Measured timeline", describes the trace and its 
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,11 +53,12 @@ class PipelineTimeline:
                 from trainer.models.registry import model_blocks
 
                 blocks = list(model_blocks(stage.submod, layers_attr).values())
-                for i, block in enumerate(blocks):
-                    block.register_forward_pre_hook(self._block_starts(i))
                 if blocks:
-                    blocks[-1].register_forward_hook(self._last_block_ends(len(blocks)))
+                    hook_block_boundaries(blocks, self._timing_forward, self._mark)
                     self.block_counts[stage.stage_index] = len(blocks)
+
+    def _timing_forward(self) -> bool:
+        return self.current is not None and self.current["kind"] == "F"
 
     def _mark(self, boundary: int) -> None:
         """The running action's first crossing of block ``boundary`` (0: before the first block, n: after the
@@ -65,32 +67,6 @@ class PipelineTimeline:
             if self.sync:
                 torch.cuda.synchronize()
             self.current["bounds"][boundary] = time.time_ns()
-
-    def _block_starts(self, index: int):
-        def hook(module, args) -> None:
-            if self.current is None or self.current["kind"] != "F":
-                return
-            self._mark(index)
-            # the hidden state: the first input that carries a gradient (a traced block takes the rotary
-            # table first); its gradient is ready when the backward has passed this block
-            hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-            if hidden is not None:
-                hidden.register_hook(self._gradient_reaches(index))
-        return hook
-
-    def _last_block_ends(self, count: int):
-        def hook(module, args, output) -> None:
-            if self.current is None or self.current["kind"] != "F":
-                return
-            self._mark(count)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(self._gradient_reaches(count))
-        return hook
-
-    def _gradient_reaches(self, boundary: int):
-        def hook(grad):
-            self._mark(boundary)
-        return hook
 
     def timed_loss(self, loss_fn):
         """``loss_fn`` whose time, in recorded steps, joins the forward that precedes it (the schedule
@@ -188,6 +164,35 @@ class PipelineTimeline:
             except Exception as e:  # noqa: BLE001 (a diagnostic must not end the run)
                 logger.warning("pipeline costs of step %d not calibrated: %s", step, e)
         return bubbles
+
+
+def hook_block_boundaries(blocks: list, timing: Callable[[], bool], mark: Callable[[int], None],
+                          first_input: Callable[[torch.Tensor], None] | None = None) -> list:
+    """Call ``mark(i)`` when a forward, while ``timing()``, crosses block boundary ``i`` (0: before the first
+    block, ``len(blocks)``: after the last) and again when the backward's gradient reaches it; ``first_input``
+    receives the first block's hidden input in those forwards. Returns the hooks' handles."""
+
+    def crossed(boundary: int, hidden) -> None:
+        mark(boundary)
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            if boundary == 0 and first_input is not None:
+                first_input(hidden)
+            hidden.register_hook(lambda grad: mark(boundary))
+
+    def starts(index: int):
+        def hook(module, args) -> None:
+            # the hidden state: the first input that carries a gradient (a traced block takes the rotary
+            # table first); its gradient is ready when the backward has passed this block
+            if timing():
+                crossed(index, next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None))
+        return hook
+
+    def ends(module, args, output) -> None:
+        if timing():
+            crossed(len(blocks), output)
+
+    handles = [block.register_forward_pre_hook(starts(i)) for i, block in enumerate(blocks)]
+    return handles + [blocks[-1].register_forward_hook(ends)]
 
 
 def part_seconds(event: dict) -> dict:
