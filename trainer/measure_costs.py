@@ -154,7 +154,8 @@ def check_fits(plan, config, device, dtype) -> None:
     float32 logits and their gradient."""
     from trainer.activation_memory import part_activations
     from trainer.parallel.dims import ParallelDims
-    from trainer.pipeline.cost import activation_sections, device_memory_bytes
+    from trainer.env import device_memory_bytes
+    from trainer.pipeline.cost import activation_sections
 
     batch, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
     tokens = batch * seq
@@ -185,7 +186,8 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     from trainer.models.registry import model_blocks
     from trainer.parallel.ac import apply_ac
     from trainer.convert import cast_parameters_
-    from trainer.pipeline.cost import compute_dtype, cost_identity, pipeline_costs, write_cost_file
+    from trainer.dtypes import compute_dtype
+    from trainer.pipeline.cost import cost_identity, pipeline_costs, write_cost_file
     from trainer.plan import build_job_plan, degrees_product
 
     p = config.parallelism

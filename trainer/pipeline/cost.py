@@ -6,18 +6,17 @@ memory for a split. docs/pipeline.md ("Cost of each action", "Memory traffic") g
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from trainer.config import JobConfig
 from trainer.config.schedules import schedule_traits
 from trainer.config.schema import Parallelism
-from trainer.dtypes import torch_dtype
+from trainer.dtypes import compute_dtype
+from trainer.env import device_memory_bytes
 from trainer.errors import ConfigError, UserError
 from trainer.jsonfile import entry, read_json
 from trainer.models import ModelSpec
@@ -232,23 +231,6 @@ def _entry(data: dict, name: str, types, path: Path, where: str, *, required: bo
     if seconds and value is not None and not 0 <= value <= MAX_SECONDS:
         raise UserError(f"{COST_FILE_KEY}: {path} {where} = {value!r}: expected seconds from 0 to {MAX_SECONDS:g}")
     return value
-
-
-
-def compute_dtype(mixed_precision_param: str, device: str) -> torch.dtype:
-    """``[training] mixed_precision_param``: auto = bfloat16 on accelerators, float32 on CPU."""
-    if mixed_precision_param == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    return torch_dtype(mixed_precision_param)
-
-
-def device_memory_bytes() -> int:
-    """Memory of one device of this machine: the first accelerator's, or the machine's RAM."""
-    from trainer.env import device_type
-
-    if device_type() == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def split_memory_limit(parallelism: Parallelism, this_device: bool = True) -> float | None:
