@@ -152,6 +152,8 @@ def check_fits(plan, config, device, dtype) -> None:
     """Refuse, before anything is allocated, a measurement that cannot fit on the device: the whole model's
     parameters and gradients in ``dtype``, one microbatch's activations (where the family estimates them) and its
     float32 logits and their gradient."""
+    import torch
+
     from trainer.activation_memory import part_activations
     from trainer.parallel.dims import ParallelDims
     from trainer.env import device_memory_bytes
@@ -164,18 +166,15 @@ def check_fits(plan, config, device, dtype) -> None:
     activations = 0.0 if isinstance(per_part, str) else tokens * (sum(per_part.kept) + per_part.stage
                                                                     + max(per_part.recompute))
     need = plan.num_params * 2 * dtype.itemsize + activations + tokens * plan.vocab_size * 8
-    available = device_memory_bytes() if device.type == "cpu" else torch_device_memory(device)
+    if device.type == "cuda":
+        available = torch.cuda.get_device_properties(device).total_memory
+    else:
+        available = device_memory_bytes() if device.type == "cpu" else 1 << 62
     if need > available:
         raise UserError(f"[parallelism] pipeline_parallel_microbatch_size={batch}, [training] seq_len={seq}: timing the"
                         f" whole model ({plan.num_params:,} parameters) on one microbatch needs ~{need / 2**30:,.1f}"
                         f" GiB on {device}, more than its {available / 2**30:,.1f} GiB; measure a smaller microbatch"
                         " or sequence, or measure in a timed pipeline run (--profiling.pipeline_timeline_steps)")
-
-
-def torch_device_memory(device) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 1 << 62
 
 
 def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[Path, list[str]]:
@@ -186,6 +185,7 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     from trainer.models.registry import model_blocks
     from trainer.parallel.ac import apply_ac
     from trainer.convert import cast_parameters_
+    from trainer.loss import cross_entropy_sum
     from trainer.dtypes import compute_dtype
     from trainer.pipeline.cost import cost_identity, pipeline_costs, write_cost_file
     from trainer.plan import build_job_plan, degrees_product
@@ -213,8 +213,6 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     generator = torch.Generator().manual_seed(plan.seed)
     inputs = torch.randint(plan.vocab_size, (batch, config.training.seq_len), generator=generator).to(device)
     labels = torch.randint(plan.vocab_size, (batch, config.training.seq_len), generator=generator).to(device)
-    from trainer.loss import cross_entropy_sum
-
     try:
         measured = time_parts(model, blocks, inputs, labels, cross_entropy_sum, steps=steps)
         whole = time_whole(model, inputs, labels, cross_entropy_sum, steps=steps)

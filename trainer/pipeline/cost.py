@@ -1,8 +1,5 @@
-"""What each pipeline action costs before anything runs: forward (F), full backward (B), input gradient (I)
-and weight gradient (W) of every part of the model (the modules before the blocks, each block, those after),
-from the FLOP model or from a measured cost file (``pipeline_parallel_cost_file``), and each pipeline rank's
-memory for a split. docs/pipeline.md ("Cost of each action", "Memory traffic") gives the formulas.
-"""
+"""What each pipeline action (F, B, I, W) costs on every part of the model before anything runs, from the FLOP
+model or a measured cost file, and each pipeline rank's memory for a split (docs/pipeline.md, "The planner")."""
 
 import json
 import math
@@ -55,9 +52,7 @@ class PartCosts:
     def stage_table(self, counts: list[int] | tuple[int, ...]) -> list[list[float]]:
         """``table[kind index][stage]`` (kinds in KINDS order) for stages of ``counts`` blocks each."""
         table = [stage_sums(self.parts[kind], counts, self.overhead[kind]) for kind in KINDS]
-        # torch's split backward skips the input-gradient pass of the first stage (its inputs are token
-        # ids: nothing to compute) and runs that stage's whole backward, one fused pass, as its weight
-        # gradient.
+        # torch's split backward runs the first stage's whole backward as its W (its inputs are token ids)
         i, w, b = KINDS.index("I"), KINDS.index("W"), KINDS.index("B")
         table[w][0] = table[b][0]
         table[i][0] = 0.0
@@ -89,11 +84,8 @@ def part_params(model: nn.Module, layout: ModelLayout) -> list[int]:
 
 
 def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[tuple[float, float]]:
-    """(matmul FLOPs, attention-score FLOPs) of one token's forward through each part: pre, each block, post.
-
-    Matmuls: 2 per weight of each Linear (embedding lookups are free) plus what modules with a
-    ``forward_flops_per_token()`` method report (routed experts: the k chosen). Attention scores:
-    4 * dim * seq_len per block when the layout knows the hidden size."""
+    """(matmul FLOPs, attention-score FLOPs) of one token's forward through each part: pre, each block, post
+    (docs/pipeline.md, "Cost of each action"; modules may report theirs with ``forward_flops_per_token()``)."""
     parts = model_parts(model, layout)
     attention = 4.0 * layout.dim * seq_len if layout.dim else 0.0
     return [(sum(2.0 * sub.weight.numel() if isinstance(sub, nn.Linear) else sub.forward_flops_per_token()
@@ -195,7 +187,10 @@ def read_cost_file(path: str, identity: dict) -> dict:
     try:
         data = read_json(p, COST_FILE_KEY, what="pipeline cost file written by a timed run")
         fit, job, measured = (_entry(data, name, dict, p, name) for name in ("fit", "job", "measured"))
-        _check_identity(job, identity, p)
+        for name, sets in IDENTITY_KEYS.items():
+            if job.get(name) != identity[name]:
+                raise ConfigError(f"{COST_FILE_KEY}: {p} was measured with {name} {job.get(name)!r}, this job has"
+                                  f" {identity[name]!r} ({sets}); measure again with this job's settings")
         for kind, f in fit.items():
             if kind not in KINDS:
                 raise UserError(f"{COST_FILE_KEY}: {p} fit has an action kind {kind!r} (known: {', '.join(KINDS)})")
@@ -211,13 +206,6 @@ def read_cost_file(path: str, identity: dict) -> dict:
     except UserError as e:
         raise ConfigError(str(e)) from None
     return {"fit": fit, "measured": measured}
-
-
-def _check_identity(job: dict, identity: dict, path: Path) -> None:
-    for name, sets in IDENTITY_KEYS.items():
-        if job.get(name) != identity[name]:
-            raise ConfigError(f"{COST_FILE_KEY}: {path} was measured with {name} {job.get(name)!r}, this job has"
-                              f" {identity[name]!r} ({sets}); measure again with this job's settings")
 
 
 MAX_BLOCKS = 100_000
@@ -303,9 +291,8 @@ def activation_sections(config: JobConfig) -> dict:
 
 
 class SplitMemory:
-    """Each pipeline rank's bytes for a split: state (fp32 parameters, gradients and Adam moments split over
-    dp_shard x cp x tp) + the activation peak (0 where it is not estimated) + the loss's gradient on the rank holding
-    the last stage: the dry run's memory table. ``fits`` holds a split to ``limit`` (None: no limit)."""
+    """Each pipeline rank's bytes for a split, the dry run's memory table (docs/pipeline.md, "Memory limits");
+    ``fits`` holds a split to ``limit`` (None: no limit)."""
 
     def __init__(self, config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims,
                  device: str, n_micro: int, limit: float | None = None):

@@ -1,6 +1,5 @@
 """The schedule-aware split search: the contiguous split whose replayed step is shortest, among those whose every
-rank fits the memory limit. Every split when there are few enough (exact); otherwise descents from seeds moving
-one block at a time, then a branch and bound on the ranks' busy time (docs/pipeline.md, "The search")."""
+rank fits the memory limit (docs/pipeline.md, "The search")."""
 
 import heapq
 import itertools
@@ -126,11 +125,6 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...], list[list[
     def threshold() -> float:
         return -kept[0][0] if len(kept) == keep else math.inf
 
-    def rank_key(pred: Prediction) -> tuple[float, float]:
-        table = sim.costs.stage_table(pred.counts)
-        # makespans equal but for rounding count as ties
-        return float(f"{pred.makespan:.9g}"), sum(sim.stage_load(table, s) ** 2 for s in range(sim.program.num_stages))
-
     def evaluate(counts: tuple[int, ...]) -> Prediction | None:
         if counts in seen:
             return None
@@ -141,7 +135,9 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...], list[list[
             return None
         pred = sim.predict(counts)
         if pred.makespan <= threshold() * (1 + 1e-8):
-            makespan, spread = rank_key(pred)
+            table = sim.costs.stage_table(pred.counts)
+            makespan = float(f"{pred.makespan:.9g}")  # makespans equal but for rounding count as ties
+            spread = sum(sim.stage_load(table, s) ** 2 for s in range(stages))
             if len(kept) < keep or (makespan, spread) < (-kept[0][0], -kept[0][1]):
                 heapq.heappush(kept, (-makespan, -spread, counts, pred))
                 if len(kept) > keep:
@@ -194,11 +190,10 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     extra_first = sim.stage_load(one, 0) - block
     extra_last = sim.stage_load(table, stages - 1) - block * (n - stages + 1)
     total = block * n + extra_first + extra_last
-    owner = sim.owner
     share = total / len(sim.stage_ids)
     target = []
     for s in range(stages):
-        r = owner[s]
+        r = sim.owner[s]
         extra = ((extra_first if 0 in sim.stage_ids[r] else 0.0)
                  + (extra_last if stages - 1 in sim.stage_ids[r] else 0.0))
         target.append(max(share - extra, 0.0) / len(sim.stage_ids[r]))
@@ -215,11 +210,9 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=None) -> Prediction | None:
-    """Move one block from one stage to another while that shortens the step (first improvement; neighbouring
-    stages first); returns where it stopped. A block moved between stages further apart shifts every cut between
-    them: how a rank's two stages of a V placement trade a block, which one cut at a time would pass through worse
-    splits. ``skip(counts, current step)``: a move not to replay."""
+def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=None) -> None:
+    """Move one block from one stage to another while that shortens the step (first improvement, neighbouring
+    stages first: docs/pipeline.md, "The search"). ``skip(counts, current step)``: a move not to replay."""
     best = evaluate(counts)
     current = counts
     stages = len(counts)
@@ -241,7 +234,6 @@ def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=N
                 break
             if state["evaluated"] >= budget:
                 break
-    return best
 
 
 def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, budget: int, nodes: int,

@@ -1,7 +1,6 @@
-"""Measured pipeline timelines (``[profiling] pipeline_timeline_steps``): each rank records when each compute
-action of its stages ran, and when each block began and ended inside it; the reporting rank merges every rank's
-into a Chrome/Perfetto trace and a picture, logs each pipeline rank's measured bubble and hands the actions to the
-calibration. docs/pipeline.md, "Measured timeline", describes the trace and its parts (lead, blocks, tail)."""
+"""Measured pipeline timelines (``[profiling] pipeline_timeline_steps``): when each compute action and each block
+inside it ran on every rank, as a trace, a picture and a bubble per pipeline rank (docs/pipeline.md, "Measured
+timeline")."""
 
 import json
 import logging
@@ -196,12 +195,9 @@ def hook_block_boundaries(blocks: list, timing: Callable[[], bool], mark: Callab
 
 
 def part_seconds(event: dict) -> dict:
-    """Where an action's time went, from the marks its blocks left (``PipelineTimeline.attach``): "lead"
-    (seconds before its first block: a forward's start, a backward's end), "tail" (after its last block:
-    a forward's end, a backward's start) and "blocks" (each block's seconds, in the stage's order); a
-    backward runs the tail first and the lead last. A weight gradient is not divided (its blocks and
-    the parts around them run in one pass), except the first stage's, which is that stage's whole
-    backward (torch's split backward). Parts whose marks are missing are left out."""
+    """Where an action's time went, from the marks its blocks left: {"lead": seconds before its first block, "tail":
+    after its last (a backward runs the tail first), "blocks": each block's seconds}, parts whose marks are missing
+    left out. A weight gradient is not divided (one pass), except the first stage's, its whole backward."""
     n = event.get("blocks", 0)
     bounds = {int(i): t for i, t in event.get("bounds", {}).items()}  # JSON keys are strings
     if not n or (event["kind"] == "W" and event["stage"] != 0):
@@ -244,13 +240,7 @@ def merge_timeline(ranks: list[dict], step: int) -> tuple[dict, dict[int, float]
 _COLORS = dict(zip(KINDS, ("#4e79a7", "#e15759", "#f28e2b", "#59a14f")))
 
 
-def _tick_step(span: float) -> float:
-    """The smallest of 1, 2, 5 x 10^k above span / 10, so that 5 to 10 ticks from 0 fall within the span."""
-    return min(m * 10.0 ** k for k in range(-6, 12) for m in (1, 2, 5) if m * 10.0 ** k > span / 10)
-
-
-def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int,
-                 simulated_title: str = "schedule replayed with the measured action times, free communication") -> str:
+def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int) -> str:
     """A picture of the measured timeline (one row per pipeline rank, its first rank standing for its
     TP/FSDP peers) above the simulated one ((pp rank, kind, stage, microbatch, start, end), microseconds),
     both on one time scale so that equal durations have equal widths. Each box is one action, labelled
@@ -272,10 +262,12 @@ def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int,
         for p, kind, stage, mb, start, end in simulated:
             sim_rows.setdefault(p, []).append((kind, stage, mb, start, end))
         t0 = min(s[4] for s in simulated)
-        panels.append((simulated_title, sim_rows, t0, max(s[5] for s in simulated) - t0))
+        panels.append(("schedule replayed with the measured action times, free communication", sim_rows, t0,
+                       max(s[5] for s in simulated) - t0))
     longest = max(span for *_, span in panels)
     scale = width / longest  # px per us, shared by the panels
-    tick = _tick_step(longest / 1e3)  # ms
+    # ms: the smallest of 1, 2, 5 x 10^k above a tenth of the span, so that 5 to 10 ticks fall within it
+    tick = min(m * 10.0 ** k for k in range(-6, 12) for m in (1, 2, 5) if m * 10.0 ** k > longest / 1e3 / 10)
 
     out = ['<g id="legend">']
     x = left
