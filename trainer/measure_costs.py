@@ -154,10 +154,9 @@ def check_fits(plan, config, device, dtype) -> None:
     float32 logits and their gradient."""
     import torch
 
-    from trainer.activation_memory import part_activations
+    from trainer.activation_memory import activation_sections, part_activations
     from trainer.parallel.dims import ParallelDims
     from trainer.env import device_memory_bytes
-    from trainer.pipeline.cost import activation_sections
 
     batch, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
     tokens = batch * seq

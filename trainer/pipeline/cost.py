@@ -283,20 +283,13 @@ def loss_gradient_bytes(config: JobConfig, spec: ModelSpec, args: Any, dims: Par
     return LOSS_GRADIENT_BYTES * sequences * (config.training.seq_len // dims.cp) * vocab
 
 
-def activation_sections(config: JobConfig) -> dict:
-    """What the activation estimate (trainer.activation_memory.part_activations) reads of the config."""
-    return dict(activation_checkpoint=config.activation_checkpoint, parallelism=config.parallelism,
-                seq_len=config.training.seq_len, attn_mask_type=config.model.attn_mask_type,
-                attn_backend=config.model.attn_backend)
-
-
 class SplitMemory:
     """Each pipeline rank's bytes for a split, the dry run's memory table (docs/pipeline.md, "Memory limits");
     ``fits`` holds a split to ``limit`` (None: no limit)."""
 
     def __init__(self, config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims,
                  device: str, n_micro: int, limit: float | None = None):
-        from trainer.activation_memory import part_activations
+        from trainer.activation_memory import activation_sections, part_activations
 
         p = config.parallelism
         self.dims, self.limit, self.n_micro = dims, limit, n_micro
