@@ -21,6 +21,7 @@ parallelism (refused: measure a job with both degrees 1).
 """
 
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -136,8 +137,6 @@ def time_whole(model, inputs, labels, loss_fn, *, steps: int, warmup: int = WARM
 def fit_from_parts(units, measured: dict) -> dict:
     """The cost file's fit (``calibrate.fit_costs``' shape) from per-part seconds: each kind's block price is
     its blocks' measured total over their FLOP-model units, pre and post as measured, no per-action cost."""
-    import math
-
     fit = {}
     for kind, values in measured.items():
         block_units = math.fsum(units.parts[kind][1:-1])

@@ -68,8 +68,7 @@ class Calibration:
                   f" ({100 * gain:.1f}% shorter)")
         last = str(len(self.counts) - 1)
 
-        def timed_parts(f: dict) -> str:
-            """The per-action cost and the own parts whose stage was timed (not those the fit inferred)."""
+        def timed_parts(f: dict) -> str:  # the per-action cost and the own parts whose stage was timed
             out = [f"{1e3 * f['overhead_s']:.2f} ms per action"]
             if "0" in f["part_mean_s"].get("lead", {}):
                 out.append(f"first stage's own part {1e3 * f['pre_s']:.2f} ms")

@@ -96,9 +96,8 @@ def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[t
 
 def memory_bytes(model: nn.Module, layout: ModelLayout, *, tokens: float, tp: int, loss_sharded: bool,
                  dtype_bytes: int) -> dict[str, float]:
-    """Bytes one microbatch moves through memory in the work the FLOP model does not count (docs/pipeline.md):
-    {"pre W": the embedding's weight gradient, "post F": the loss's forward, "post I": the loss's input
-    gradient}. ``loss_sharded``: the logits stay split over the tp ranks' vocabulary shards."""
+    """Bytes one microbatch moves in the work the FLOP model does not count, {"pre W", "post F", "post I"}
+    (docs/pipeline.md, "Memory traffic"). ``loss_sharded``: the logits stay split over the tp ranks."""
     # the weights of each embedding on one rank: tensor parallelism splits the vocabulary-sized ones
     embedding = sum(sub.weight.numel() / (tp if sub.num_embeddings == layout.vocab_size else 1)
                     for n in layout.pre if (m := getattr(model, n, None)) is not None

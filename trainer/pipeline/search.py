@@ -12,9 +12,8 @@ from trainer.pipeline.simulate import KINDS, Program, replay
 
 # Action-replays (actions x candidates) of the whole search when it lists every split, else of its branch and bound.
 REPLAY_BUDGET = 2_000_000
-# Action-replays of the descents from the seeds, by default (moves a bound rules out are not replayed). With the
-# branch and bound: 0.9-8.1 s a search for 8B and 70B at pp 4-16 on this project's CPU, planning alone (no memory
-# limit), and up to 8.2% faster splits than 200,000 in all (benchmarks/bench_planner_search.py).
+# Action-replays of the descents from the seeds, by default: up to 8.2% faster splits than 200,000 in all
+# (benchmarks/bench_planner_search.py; docs/pipeline.md, "The search", for the time it takes).
 DESCENT_REPLAYS = 20_000_000
 # Partial splits the branch and bound may visit per replay in its budget (a visit prices its children's stage loads
 # from running sums, no replay).
@@ -114,10 +113,8 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...], list[list[
     if budget is None:
         budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions), 1))
     total = math.comb(n - 1, stages - 1)
-    # A max-heap of the best by (makespan, then the sum of squared stage loads), negated: where the
-    # simulation cannot tell splits apart (a rank off the critical path holds two stages: any division
-    # of its blocks between them ties), the most even stages win, as they are the least exposed to
-    # costs the model misses.
+    # A max-heap of the best by (makespan, then the sum of squared stage loads), negated: where the simulation
+    # cannot tell splits apart, the most even stages win, as they are the least exposed to costs the model misses.
     kept: list[tuple[float, float, tuple[int, ...], Prediction]] = []
     seen: set[tuple[int, ...]] = set()
     state = {"evaluated": 0, "refused": 0, "visited": 0}

@@ -43,10 +43,9 @@ def check_schedule(schedule: str, pp: int, n_microbatches: int, stages_per_rank:
 
 
 def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> None:
-    """The CSV (one row of compute actions like 0F0,2B1 per pipeline rank) must be a schedule torch can
-    run on this job: its stages on the ranks that hold them (``placement[r]``: rank r's stages), every
-    microbatch of every stage run forward once and backward once (B, or I then W), and an order in
-    which no rank waits forever for another."""
+    """The CSV (one row of compute actions like 0F0,2B1 per pipeline rank) must be a schedule torch can run on
+    this job: rank r's actions on its stages ``placement[r]``, each microbatch of each stage run forward once and
+    backward once (B, or I then W), in an order in which no rank waits forever for another."""
     key = CSV_KEY
     rows = [[(k, s, m) for s, k, m in row] for row in csv_rows(path)]
     pp, num_stages = len(placement), sum(len(stages) for stages in placement)

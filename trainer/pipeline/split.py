@@ -1,6 +1,7 @@
 """Where the model is cut into pipeline stages (contiguous runs of blocks), and which rank runs which stage: the
 split keys checked against the model and the schedule, and the split chosen (docs/pipeline.md, "Splitting")."""
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,9 +83,7 @@ def balanced_split(pre: float, blocks: list[float], post: float, num_stages: int
     """Block counts per stage minimising the most expensive stage (pre on the first, post on the last): an exact
     dynamic programme over contiguous partitions, every stage at least one block."""
     n = len(blocks)
-    prefix = [0.0]
-    for c in blocks:
-        prefix.append(prefix[-1] + c)
+    prefix = list(itertools.accumulate(blocks, initial=0.0))
     inf = float("inf")
     # best[s][i]: smallest max-stage-cost putting blocks[:i] into stages 0..s-1
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]

@@ -24,11 +24,9 @@ class PipelineTimeline:
 
     def __init__(self, steps: list[int], folder: Path, *, rank: int, pp_rank: int, writer: bool,
                  program=None, sync: bool = False, calibration=None):
-        """``program`` (a ``simulate.Program``, the schedule's action lists): replayed with the
-        measured action times and drawn under the measured timeline (None: measured only). ``sync`` (CUDA): wait for the
-        device around each timed action, so the times are when the kernels ran, not when they were
-        queued (only in timed steps). ``calibration`` (a ``calibrate.Calibration``, on the writer):
-        compares each timed step with the plan's prediction and writes the measured costs."""
+        """``program`` (a ``simulate.Program``): replayed with the measured action times and drawn under the measured
+        timeline (None: measured only). ``sync`` (CUDA, timed steps only): wait for the device around each timed
+        action, so the times are when the kernels ran. ``calibration`` (a ``calibrate.Calibration``, on the writer)."""
         self.steps, self.folder = set(steps), Path(folder)
         self.calibration = calibration
         self.rank, self.pp_rank, self.writer = rank, pp_rank, writer
@@ -241,11 +239,8 @@ _COLORS = dict(zip(KINDS, ("#4e79a7", "#e15759", "#f28e2b", "#59a14f")))
 
 
 def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int) -> str:
-    """A picture of the measured timeline (one row per pipeline rank, its first rank standing for its
-    TP/FSDP peers) above the simulated one ((pp rank, kind, stage, microbatch, start, end), microseconds),
-    both on one time scale so that equal durations have equal widths. Each box is one action, labelled
-    like a CSV cell (stage, kind, microbatch); beside each row, its bubble: the share of its panel's span
-    in which it runs no action (for the measured panel, the bubble ``merge_timeline`` reports)."""
+    """A picture of the measured timeline (one row per pipeline rank) above the simulated one ((pp rank, kind, stage,
+    microbatch, start, end), microseconds) on one time scale, each row's bubble beside it (docs/pipeline.md)."""
     from xml.sax.saxutils import escape
 
     width, row, left, right = 1000, 22, 70, 90
