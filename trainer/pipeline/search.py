@@ -207,9 +207,10 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=None) -> None:
+def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=None) -> Prediction | None:
     """Move one block from one stage to another while that shortens the step (first improvement, neighbouring
-    stages first: docs/pipeline.md, "The search"). ``skip(counts, current step)``: a move not to replay."""
+    stages first: docs/pipeline.md, "The search"); returns where it stopped. ``skip(counts, current step)``: a move
+    not to replay."""
     best = evaluate(counts)
     current = counts
     stages = len(counts)
@@ -231,6 +232,7 @@ def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=N
                 break
             if state["evaluated"] >= budget:
                 break
+    return best
 
 
 def _branch_and_bound(sim: Simulator, n: int, stages: int, evaluate, threshold, budget: int, nodes: int,
