@@ -20,6 +20,8 @@ checkpointing, and custom CSV schedules.
 
 from dataclasses import dataclass
 
+from trainer.config import JobConfig
+
 
 @dataclass(frozen=True)
 class PartActivations:
@@ -61,6 +63,13 @@ def part_activations(spec, args, dims, dtype_bytes: int, *, activation_checkpoin
     mask = seq_len * dtype_bytes if attn_backend != "varlen" else 0.0
     stage = mask + per_token.documents if attn_mask_type == "block_causal" else 0.0
     return PartActivations((per_token.pre, *kept, per_token.post), (0.0, *recompute, 0.0), stage)
+
+
+def activation_sections(config: JobConfig) -> dict:
+    """What the activation estimate (``part_activations``) reads of the config."""
+    return dict(activation_checkpoint=config.activation_checkpoint, parallelism=config.parallelism,
+                seq_len=config.training.seq_len, attn_mask_type=config.model.attn_mask_type,
+                attn_backend=config.model.attn_backend)
 
 
 def rank_actions(queues: list[list[tuple[str, int, int]]]) -> list[tuple[list, set]]:

@@ -26,6 +26,13 @@ def device_type() -> str:
     return "cpu"
 
 
+def device_memory_bytes() -> int:
+    """Memory of one device of this machine: the first accelerator's, or the machine's RAM."""
+    if device_type() == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def reuse_freed_host_memory() -> bool:
     """Have glibc's malloc serve allocations up to 32 MiB from its heap and keep the heap's freed memory
     (mallopt: mmap threshold 32 MiB, trim threshold 2 GiB), so that a CPU training step reuses the pages the

@@ -21,6 +21,7 @@ parallelism (refused: measure a job with both degrees 1).
 """
 
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -67,32 +68,14 @@ def time_parts(model, blocks: list, inputs, labels, loss_fn, *, steps: int, warm
     post]}, over ``steps`` microbatches after ``warmup``. ``blocks``: the model's blocks in the order they run."""
     import torch
 
+    from trainer.profiling.timeline import hook_block_boundaries
+
     n = len(blocks)
     state = {"clock": None, "kind": None, "first_input": None}
-
-    def starts(index):
-        def hook(module, args):
-            if state["clock"] is None or state["kind"] != "F":  # not timing, or a recomputation in a backward
-                return
-            state["clock"].mark(("F", index))
-            # the hidden state: the first input that carries a gradient (a block may take the rotary table first)
-            hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-            if hidden is not None:
-                if index == 0:
-                    state["first_input"] = hidden
-                hidden.register_hook(lambda grad: state["clock"].mark((state["kind"], index)))
-        return hook
-
-    def ends(module, args, output):
-        clock = state["clock"]
-        if clock is None or state["kind"] != "F":
-            return
-        clock.mark(("F", n))
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda grad: state["clock"].mark((state["kind"], n)))
-
-    handles = [b.register_forward_pre_hook(starts(i)) for i, b in enumerate(blocks)]
-    handles.append(blocks[-1].register_forward_hook(ends))
+    # boundaries are marked in a timed forward (not in a backward's recomputation) and as the backward reaches them
+    handles = hook_block_boundaries(blocks, lambda: state["clock"] is not None and state["kind"] == "F",
+                                    lambda boundary: state["clock"].mark((state["kind"], boundary)),
+                                    lambda hidden: state.update(first_input=hidden))
     samples: dict[str, list[list[float]]] = {k: [] for k in ("F", "B", "I")}
     try:
         for step in range(warmup + steps):
@@ -154,8 +137,6 @@ def time_whole(model, inputs, labels, loss_fn, *, steps: int, warmup: int = WARM
 def fit_from_parts(units, measured: dict) -> dict:
     """The cost file's fit (``calibrate.fit_costs``' shape) from per-part seconds: each kind's block price is
     its blocks' measured total over their FLOP-model units, pre and post as measured, no per-action cost."""
-    import math
-
     fit = {}
     for kind, values in measured.items():
         block_units = math.fsum(units.parts[kind][1:-1])
@@ -170,9 +151,11 @@ def check_fits(plan, config, device, dtype) -> None:
     """Refuse, before anything is allocated, a measurement that cannot fit on the device: the whole model's
     parameters and gradients in ``dtype``, one microbatch's activations (where the family estimates them) and its
     float32 logits and their gradient."""
-    from trainer.activation_memory import part_activations
+    import torch
+
+    from trainer.activation_memory import activation_sections, part_activations
     from trainer.parallel.dims import ParallelDims
-    from trainer.pipeline.cost import activation_sections, device_memory_bytes
+    from trainer.env import device_memory_bytes
 
     batch, seq = config.parallelism.pipeline_parallel_microbatch_size, config.training.seq_len
     tokens = batch * seq
@@ -181,18 +164,15 @@ def check_fits(plan, config, device, dtype) -> None:
     activations = 0.0 if isinstance(per_part, str) else tokens * (sum(per_part.kept) + per_part.stage
                                                                     + max(per_part.recompute))
     need = plan.num_params * 2 * dtype.itemsize + activations + tokens * plan.vocab_size * 8
-    available = device_memory_bytes() if device.type == "cpu" else torch_device_memory(device)
+    if device.type == "cuda":
+        available = torch.cuda.get_device_properties(device).total_memory
+    else:
+        available = device_memory_bytes() if device.type == "cpu" else 1 << 62
     if need > available:
         raise UserError(f"[parallelism] pipeline_parallel_microbatch_size={batch}, [training] seq_len={seq}: timing the"
                         f" whole model ({plan.num_params:,} parameters) on one microbatch needs ~{need / 2**30:,.1f}"
                         f" GiB on {device}, more than its {available / 2**30:,.1f} GiB; measure a smaller microbatch"
                         " or sequence, or measure in a timed pipeline run (--profiling.pipeline_timeline_steps)")
-
-
-def torch_device_memory(device) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 1 << 62
 
 
 def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[Path, list[str]]:
@@ -203,7 +183,9 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     from trainer.models.registry import model_blocks
     from trainer.parallel.ac import apply_ac
     from trainer.convert import cast_parameters_
-    from trainer.pipeline.cost import compute_dtype, cost_identity, pipeline_costs, write_cost_file
+    from trainer.loss import cross_entropy_sum
+    from trainer.dtypes import compute_dtype
+    from trainer.pipeline.cost import cost_identity, pipeline_costs, write_cost_file
     from trainer.plan import build_job_plan, degrees_product
 
     p = config.parallelism
@@ -229,8 +211,6 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     generator = torch.Generator().manual_seed(plan.seed)
     inputs = torch.randint(plan.vocab_size, (batch, config.training.seq_len), generator=generator).to(device)
     labels = torch.randint(plan.vocab_size, (batch, config.training.seq_len), generator=generator).to(device)
-    from trainer.loss import cross_entropy_sum
-
     try:
         measured = time_parts(model, blocks, inputs, labels, cross_entropy_sum, steps=steps)
         whole = time_whole(model, inputs, labels, cross_entropy_sum, steps=steps)

@@ -21,8 +21,8 @@ from torch import nn
 
 from trainer.config import JobConfig
 from trainer.config.validate import check_batch
-from trainer.dtypes import torch_dtype
-from trainer.env import device_type
+from trainer.dtypes import compute_dtype, torch_dtype
+from trainer.env import device_memory_bytes, device_type
 from trainer.errors import ConfigError
 from trainer.models import ModelSpec, get_model_spec, import_model_modules, resolve_model_args
 from trainer.models.registry import ModelLayout
@@ -30,9 +30,8 @@ from trainer.parallel.auto_tp import TPPlan
 from trainer.parallel.dims import ParallelDims
 from trainer.parallel.parallelize import check_techniques, resolve_tp_plan
 from trainer.parallel.technique import ChunkSetup, PlanFacts
-from trainer.pipeline.cost import (BYTES_PER_PARAM, PartCosts, SplitMemory, activation_sections, compute_dtype,
-                                   device_memory_bytes, loss_gradient_bytes, part_flops, part_params, pipeline_costs,
-                                   split_memory_limit, stage_sums)
+from trainer.pipeline.cost import (BYTES_PER_PARAM, PartCosts, SplitMemory, loss_gradient_bytes,
+                                   part_flops, part_params, pipeline_costs, split_memory_limit, stage_sums)
 from trainer.pipeline.simulate import bubble_fraction, lowered, schedule_ops
 from trainer.pipeline.split import PipelinePlan, build_pipeline_plan
 
@@ -123,7 +122,7 @@ class JobPlan:
         """Estimated peak bytes of saved activations on each pipeline rank when the job runs on ``device_type``
         devices (the compute dtype follows ``[training] mixed_precision_param``), or why there is no estimate
         (trainer.activation_memory)."""
-        from trainer.activation_memory import part_activations, rank_actions, rank_peaks
+        from trainer.activation_memory import activation_sections, part_activations, rank_actions, rank_peaks
 
         per_part = part_activations(self.spec, self.model_args, self.dims,
                                     self.compute_dtype(torch.device(device_type)).itemsize,

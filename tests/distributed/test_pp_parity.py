@@ -201,7 +201,7 @@ def check_activation_estimate(measured: list[int], plan, nproc: int, rel: float 
     import dataclasses
 
     from trainer.activation_memory import part_activations, rank_actions, rank_peaks
-    from trainer.pipeline.cost import activation_sections
+    from trainer.activation_memory import activation_sections
     from trainer.pipeline.simulate import lowered, schedule_ops
 
     parts = part_activations(plan.spec, plan.model_args, plan.dims, 4, **activation_sections(plan.config))

@@ -1,6 +1,5 @@
-"""A timed pipeline run checks the plan's prediction and calibrates the next one: per timed step, measured
-against predicted time per rank and action kind, seconds per action kind fitted to every step so far
-(``fit_costs``), written as ``pipeline_costs.json``, and the split the planner would choose with them."""
+"""A timed pipeline run checks the plan's prediction and calibrates the next one (docs/pipeline.md, "Measured
+costs: calibration from a timed run")."""
 
 import math
 import statistics
@@ -69,8 +68,7 @@ class Calibration:
                   f" ({100 * gain:.1f}% shorter)")
         last = str(len(self.counts) - 1)
 
-        def timed_parts(f: dict) -> str:
-            """The per-action cost and the own parts whose stage was timed (not those the fit inferred)."""
+        def timed_parts(f: dict) -> str:  # the per-action cost and the own parts whose stage was timed
             out = [f"{1e3 * f['overhead_s']:.2f} ms per action"]
             if "0" in f["part_mean_s"].get("lead", {}):
                 out.append(f"first stage's own part {1e3 * f['pre_s']:.2f} ms")
@@ -88,34 +86,22 @@ class Calibration:
                 f" {_bubbles(_of(after))} after (a transfer between ranks fitted at {1e3 * send:.2f} ms);"
                 f" {choice}; measured costs written to {self.path}")
 
-    def _block_means(self) -> dict[tuple[str, int], float]:
-        """(kind, pipeline rank) -> mean seconds per block and microbatch over the recorded steps (the first stage's
-        split backward, its W, counts as B). A block counts as its share of the mean block's price in the FLOP
-        model (``units``), so ranks that hold cheaper or dearer blocks compare at one pace: counted one each, a rank
-        of light blocks reads as a fast one."""
+    def _per_block(self) -> str:
+        """Each pipeline rank's mean seconds per block and microbatch by action kind, over the recorded steps (the
+        first stage's split backward, its W, counts as B). A block counts as its share of the mean block's price in
+        the FLOP model (``units``; one each where it prices blocks at nothing), so ranks that hold cheaper or dearer
+        blocks compare at one pace: counted one each, a rank of light blocks reads as a fast one."""
         starts = [1 + sum(self.counts[:s]) for s in range(len(self.counts))]
         total: dict[tuple[str, int], list[float]] = {}
         for kind, stage, part, seconds in self.parts:
             if part == "blocks" and self.counts[stage]:
                 named = "B" if (kind, stage) == ("W", 0) else kind
+                values, count = self.units.parts[named], self.counts[stage]
+                mean = math.fsum(values[1:-1]) / (len(values) - 2)
                 acc = total.setdefault((named, self.owner[stage]), [0.0, 0.0])
                 acc[0] += seconds
-                acc[1] += self._blocks_priced(kind, stage, starts[stage])
-        return {key: t / n for key, (t, n) in total.items() if n > 0}  # blocks priced at nothing: no figure
-
-    def _blocks_priced(self, kind: str, stage: int, start: int) -> float:
-        """How many mean blocks ``stage``'s blocks are worth in a ``kind`` action by the FLOP model (the first
-        stage's W is its whole backward, priced as B); their count where the model prices blocks at nothing."""
-        priced = "B" if (kind, stage) == ("W", 0) else kind
-        values = self.units.parts[priced]
-        mean = math.fsum(values[1:-1]) / (len(values) - 2)
-        count = self.counts[stage]
-        return math.fsum(values[start:start + count]) / mean if mean > 0 else float(count)
-
-    def _per_block(self) -> str:
-        """Each pipeline rank's mean seconds per block (of the mean block's price) and microbatch by action kind,
-        over the recorded steps (``_block_means``)."""
-        means = self._block_means()
+                acc[1] += math.fsum(values[starts[stage]:starts[stage] + count]) / mean if mean > 0 else float(count)
+        means = {key: t / n for key, (t, n) in total.items() if n > 0}  # blocks priced at nothing: no figure
         ranks = range(self.program.num_ranks)
         kinds = [f"{k} " + " / ".join(f"{1e3 * means[(k, r)]:.2f}" for r in ranks) + " ms"
                  for k in KINDS if all((k, r) in means for r in ranks)]
@@ -129,10 +115,9 @@ class Calibration:
 def fit_costs(model_costs: PartCosts, counts: list[int], actions: list[tuple[str, int, float]],
               parts: list[tuple[str, int, str, float]] = ()) -> dict:
     """Seconds per action kind fitted to measured actions (kind, stage, seconds) of a run split into stages of
-    ``counts`` blocks: a stage's duration = lead overhead + tail overhead + per_unit x (the FLOP model's units of
-    its blocks) + pre (first stage) + post (last stage); least squares on the per-stage means (a step lasts the sum
-    of its actions), held weakly to the FLOP model where the measurements leave it open. ``parts`` (kind, stage,
-    "lead" or "tail", seconds, ``profiling.timeline.part_seconds``) pin the overheads, pre and post directly."""
+    ``counts`` blocks (docs/pipeline.md, "Measured costs: calibration from a timed run"): a stage's duration = lead
+    overhead + tail overhead + per_unit x (the FLOP model's units of its blocks) + pre (first stage) + post (last
+    stage). ``parts`` (kind, stage, "lead" or "tail", seconds) pin the overheads, pre and post directly."""
     def fitted_kind(kind: str, stage: int) -> str | None:
         """The first stage's split backward: its W is its whole backward (B), its I computes nothing."""
         return {"I": None, "W": "B"}.get(kind, kind) if stage == 0 else kind

@@ -1,23 +1,19 @@
-"""What each pipeline action costs before anything runs: forward (F), full backward (B), input gradient (I)
-and weight gradient (W) of every part of the model (the modules before the blocks, each block, those after),
-from the FLOP model or from a measured cost file (``pipeline_parallel_cost_file``), and each pipeline rank's
-memory for a split. docs/pipeline.md ("Cost of each action", "Memory traffic") gives the formulas.
-"""
+"""What each pipeline action (F, B, I, W) costs on every part of the model before anything runs, from the FLOP
+model or a measured cost file, and each pipeline rank's memory for a split (docs/pipeline.md, "The planner")."""
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from trainer.config import JobConfig
 from trainer.config.schedules import schedule_traits
 from trainer.config.schema import Parallelism
-from trainer.dtypes import torch_dtype
+from trainer.dtypes import compute_dtype
+from trainer.env import device_memory_bytes
 from trainer.errors import ConfigError, UserError
 from trainer.jsonfile import entry, read_json
 from trainer.models import ModelSpec
@@ -56,9 +52,7 @@ class PartCosts:
     def stage_table(self, counts: list[int] | tuple[int, ...]) -> list[list[float]]:
         """``table[kind index][stage]`` (kinds in KINDS order) for stages of ``counts`` blocks each."""
         table = [stage_sums(self.parts[kind], counts, self.overhead[kind]) for kind in KINDS]
-        # torch's split backward skips the input-gradient pass of the first stage (its inputs are token
-        # ids: nothing to compute) and runs that stage's whole backward, one fused pass, as its weight
-        # gradient.
+        # torch's split backward runs the first stage's whole backward as its W (its inputs are token ids)
         i, w, b = KINDS.index("I"), KINDS.index("W"), KINDS.index("B")
         table[w][0] = table[b][0]
         table[i][0] = 0.0
@@ -90,11 +84,8 @@ def part_params(model: nn.Module, layout: ModelLayout) -> list[int]:
 
 
 def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[tuple[float, float]]:
-    """(matmul FLOPs, attention-score FLOPs) of one token's forward through each part: pre, each block, post.
-
-    Matmuls: 2 per weight of each Linear (embedding lookups are free) plus what modules with a
-    ``forward_flops_per_token()`` method report (routed experts: the k chosen). Attention scores:
-    4 * dim * seq_len per block when the layout knows the hidden size."""
+    """(matmul FLOPs, attention-score FLOPs) of one token's forward through each part: pre, each block, post
+    (docs/pipeline.md, "Cost of each action"; modules may report theirs with ``forward_flops_per_token()``)."""
     parts = model_parts(model, layout)
     attention = 4.0 * layout.dim * seq_len if layout.dim else 0.0
     return [(sum(2.0 * sub.weight.numel() if isinstance(sub, nn.Linear) else sub.forward_flops_per_token()
@@ -105,9 +96,8 @@ def part_flops(model: nn.Module, layout: ModelLayout, *, seq_len: int) -> list[t
 
 def memory_bytes(model: nn.Module, layout: ModelLayout, *, tokens: float, tp: int, loss_sharded: bool,
                  dtype_bytes: int) -> dict[str, float]:
-    """Bytes one microbatch moves through memory in the work the FLOP model does not count (docs/pipeline.md):
-    {"pre W": the embedding's weight gradient, "post F": the loss's forward, "post I": the loss's input
-    gradient}. ``loss_sharded``: the logits stay split over the tp ranks' vocabulary shards."""
+    """Bytes one microbatch moves in the work the FLOP model does not count, {"pre W", "post F", "post I"}
+    (docs/pipeline.md, "Memory traffic"). ``loss_sharded``: the logits stay split over the tp ranks."""
     # the weights of each embedding on one rank: tensor parallelism splits the vocabulary-sized ones
     embedding = sum(sub.weight.numel() / (tp if sub.num_embeddings == layout.vocab_size else 1)
                     for n in layout.pre if (m := getattr(model, n, None)) is not None
@@ -196,7 +186,10 @@ def read_cost_file(path: str, identity: dict) -> dict:
     try:
         data = read_json(p, COST_FILE_KEY, what="pipeline cost file written by a timed run")
         fit, job, measured = (_entry(data, name, dict, p, name) for name in ("fit", "job", "measured"))
-        _check_identity(job, identity, p)
+        for name, sets in IDENTITY_KEYS.items():
+            if job.get(name) != identity[name]:
+                raise ConfigError(f"{COST_FILE_KEY}: {p} was measured with {name} {job.get(name)!r}, this job has"
+                                  f" {identity[name]!r} ({sets}); measure again with this job's settings")
         for kind, f in fit.items():
             if kind not in KINDS:
                 raise UserError(f"{COST_FILE_KEY}: {p} fit has an action kind {kind!r} (known: {', '.join(KINDS)})")
@@ -214,13 +207,6 @@ def read_cost_file(path: str, identity: dict) -> dict:
     return {"fit": fit, "measured": measured}
 
 
-def _check_identity(job: dict, identity: dict, path: Path) -> None:
-    for name, sets in IDENTITY_KEYS.items():
-        if job.get(name) != identity[name]:
-            raise ConfigError(f"{COST_FILE_KEY}: {path} was measured with {name} {job.get(name)!r}, this job has"
-                              f" {identity[name]!r} ({sets}); measure again with this job's settings")
-
-
 MAX_BLOCKS = 100_000
 MAX_SECONDS = 1e6  # a cost of days per action is a broken file, and sums of such overflow
 
@@ -232,23 +218,6 @@ def _entry(data: dict, name: str, types, path: Path, where: str, *, required: bo
     if seconds and value is not None and not 0 <= value <= MAX_SECONDS:
         raise UserError(f"{COST_FILE_KEY}: {path} {where} = {value!r}: expected seconds from 0 to {MAX_SECONDS:g}")
     return value
-
-
-
-def compute_dtype(mixed_precision_param: str, device: str) -> torch.dtype:
-    """``[training] mixed_precision_param``: auto = bfloat16 on accelerators, float32 on CPU."""
-    if mixed_precision_param == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    return torch_dtype(mixed_precision_param)
-
-
-def device_memory_bytes() -> int:
-    """Memory of one device of this machine: the first accelerator's, or the machine's RAM."""
-    from trainer.env import device_type
-
-    if device_type() == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def split_memory_limit(parallelism: Parallelism, this_device: bool = True) -> float | None:
@@ -313,21 +282,13 @@ def loss_gradient_bytes(config: JobConfig, spec: ModelSpec, args: Any, dims: Par
     return LOSS_GRADIENT_BYTES * sequences * (config.training.seq_len // dims.cp) * vocab
 
 
-def activation_sections(config: JobConfig) -> dict:
-    """What the activation estimate (trainer.activation_memory.part_activations) reads of the config."""
-    return dict(activation_checkpoint=config.activation_checkpoint, parallelism=config.parallelism,
-                seq_len=config.training.seq_len, attn_mask_type=config.model.attn_mask_type,
-                attn_backend=config.model.attn_backend)
-
-
 class SplitMemory:
-    """Each pipeline rank's bytes for a split: state (fp32 parameters, gradients and Adam moments split over
-    dp_shard x cp x tp) + the activation peak (0 where it is not estimated) + the loss's gradient on the rank holding
-    the last stage: the dry run's memory table. ``fits`` holds a split to ``limit`` (None: no limit)."""
+    """Each pipeline rank's bytes for a split, the dry run's memory table (docs/pipeline.md, "Memory limits");
+    ``fits`` holds a split to ``limit`` (None: no limit)."""
 
     def __init__(self, config: JobConfig, spec: ModelSpec, args: Any, whole: nn.Module, dims: ParallelDims,
                  device: str, n_micro: int, limit: float | None = None):
-        from trainer.activation_memory import part_activations
+        from trainer.activation_memory import activation_sections, part_activations
 
         p = config.parallelism
         self.dims, self.limit, self.n_micro = dims, limit, n_micro

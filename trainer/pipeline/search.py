@@ -1,6 +1,5 @@
 """The schedule-aware split search: the contiguous split whose replayed step is shortest, among those whose every
-rank fits the memory limit. Every split when there are few enough (exact); otherwise descents from seeds moving
-one block at a time, then a branch and bound on the ranks' busy time (docs/pipeline.md, "The search")."""
+rank fits the memory limit (docs/pipeline.md, "The search")."""
 
 import heapq
 import itertools
@@ -13,9 +12,8 @@ from trainer.pipeline.simulate import KINDS, Program, replay
 
 # Action-replays (actions x candidates) of the whole search when it lists every split, else of its branch and bound.
 REPLAY_BUDGET = 2_000_000
-# Action-replays of the descents from the seeds, by default (moves a bound rules out are not replayed). With the
-# branch and bound: 0.9-8.1 s a search for 8B and 70B at pp 4-16 on this project's CPU, planning alone (no memory
-# limit), and up to 8.2% faster splits than 200,000 in all (benchmarks/bench_planner_search.py).
+# Action-replays of the descents from the seeds, by default: up to 8.2% faster splits than 200,000 in all
+# (benchmarks/bench_planner_search.py; docs/pipeline.md, "The search", for the time it takes).
 DESCENT_REPLAYS = 20_000_000
 # Partial splits the branch and bound may visit per replay in its budget (a visit prices its children's stage loads
 # from running sums, no replay).
@@ -115,21 +113,14 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...], list[list[
     if budget is None:
         budget = max(64, REPLAY_BUDGET // max(len(sim.program.actions), 1))
     total = math.comb(n - 1, stages - 1)
-    # A max-heap of the best by (makespan, then the sum of squared stage loads), negated: where the
-    # simulation cannot tell splits apart (a rank off the critical path holds two stages: any division
-    # of its blocks between them ties), the most even stages win, as they are the least exposed to
-    # costs the model misses.
+    # A max-heap of the best by (makespan, then the sum of squared stage loads), negated: where the simulation
+    # cannot tell splits apart, the most even stages win, as they are the least exposed to costs the model misses.
     kept: list[tuple[float, float, tuple[int, ...], Prediction]] = []
     seen: set[tuple[int, ...]] = set()
     state = {"evaluated": 0, "refused": 0, "visited": 0}
 
     def threshold() -> float:
         return -kept[0][0] if len(kept) == keep else math.inf
-
-    def rank_key(pred: Prediction) -> tuple[float, float]:
-        table = sim.costs.stage_table(pred.counts)
-        # makespans equal but for rounding count as ties
-        return float(f"{pred.makespan:.9g}"), sum(sim.stage_load(table, s) ** 2 for s in range(sim.program.num_stages))
 
     def evaluate(counts: tuple[int, ...]) -> Prediction | None:
         if counts in seen:
@@ -141,7 +132,9 @@ def search_splits(sim: Simulator, *, fits: Callable[[tuple[int, ...], list[list[
             return None
         pred = sim.predict(counts)
         if pred.makespan <= threshold() * (1 + 1e-8):
-            makespan, spread = rank_key(pred)
+            table = sim.costs.stage_table(pred.counts)
+            makespan = float(f"{pred.makespan:.9g}")  # makespans equal but for rounding count as ties
+            spread = sum(sim.stage_load(table, s) ** 2 for s in range(stages))
             if len(kept) < keep or (makespan, spread) < (-kept[0][0], -kept[0][1]):
                 heapq.heappush(kept, (-makespan, -spread, counts, pred))
                 if len(kept) > keep:
@@ -194,11 +187,10 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
     extra_first = sim.stage_load(one, 0) - block
     extra_last = sim.stage_load(table, stages - 1) - block * (n - stages + 1)
     total = block * n + extra_first + extra_last
-    owner = sim.owner
     share = total / len(sim.stage_ids)
     target = []
     for s in range(stages):
-        r = owner[s]
+        r = sim.owner[s]
         extra = ((extra_first if 0 in sim.stage_ids[r] else 0.0)
                  + (extra_last if stages - 1 in sim.stage_ids[r] else 0.0))
         target.append(max(share - extra, 0.0) / len(sim.stage_ids[r]))
@@ -216,10 +208,9 @@ def _rank_balanced(sim: Simulator) -> tuple[int, ...]:
 
 
 def _descend(counts: tuple[int, ...], evaluate, budget: int, state: dict, skip=None) -> Prediction | None:
-    """Move one block from one stage to another while that shortens the step (first improvement; neighbouring
-    stages first); returns where it stopped. A block moved between stages further apart shifts every cut between
-    them: how a rank's two stages of a V placement trade a block, which one cut at a time would pass through worse
-    splits. ``skip(counts, current step)``: a move not to replay."""
+    """Move one block from one stage to another while that shortens the step (first improvement, neighbouring
+    stages first: docs/pipeline.md, "The search"); returns where it stopped. ``skip(counts, current step)``: a move
+    not to replay."""
     best = evaluate(counts)
     current = counts
     stages = len(counts)

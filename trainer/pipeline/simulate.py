@@ -1,7 +1,6 @@
 """A pipeline schedule without a process group: its action lists (torch's, through the private
 ``torch.distributed.pipelining._schedule_visualizer``, called here only; or a CSV file), their checks, and
-the one replay of them that the planner, the dry run, the bubble and the timeline all use.
-"""
+the one replay of them that the planner, the dry run, the bubble and the timeline all use."""
 
 import re
 import statistics
@@ -44,10 +43,9 @@ def check_schedule(schedule: str, pp: int, n_microbatches: int, stages_per_rank:
 
 
 def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> None:
-    """The CSV (one row of compute actions like 0F0,2B1 per pipeline rank) must be a schedule torch can
-    run on this job: its stages on the ranks that hold them (``placement[r]``: rank r's stages), every
-    microbatch of every stage run forward once and backward once (B, or I then W), and an order in
-    which no rank waits forever for another."""
+    """The CSV (one row of compute actions like 0F0,2B1 per pipeline rank) must be a schedule torch can run on
+    this job: rank r's actions on its stages ``placement[r]``, each microbatch of each stage run forward once and
+    backward once (B, or I then W), in an order in which no rank waits forever for another."""
     key = CSV_KEY
     rows = [[(k, s, m) for s, k, m in row] for row in csv_rows(path)]
     pp, num_stages = len(placement), sum(len(stages) for stages in placement)
@@ -65,12 +63,13 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
             " ([training] local_batch_size / pipeline_parallel_microbatch_size)"
         )
     owner = {stage: r for r, held in enumerate(placement) for stage in held}
+    rule = ", ".join("r" if i == 0 else f"r+{i * pp}" for i in range(len(placement[0])))  # the CSV runtime's loop
     for r, row in enumerate(rows):
         for kind, stage, mb in row:
             if owner[stage] != r:
                 raise ConfigError(
                     f"{key}: {path} row {r + 1} (pipeline rank {r}) has {stage}{kind}{mb}, but stage {stage} runs on"
-                    f" rank {owner[stage]} (rank r holds stages {', '.join(_stages_rule(placement))}); rows go in"
+                    f" rank {owner[stage]} (rank r holds stages {rule}); rows go in"
                     " pipeline-rank order"
                 )
     where: dict[tuple[str, int, int], list[int]] = {}  # action -> its positions in its rank's row
@@ -115,11 +114,6 @@ def csv_rows(path: str) -> list[list[tuple[int, str, int]]]:
     return rows
 
 
-def _stages_rule(placement: list[list[int]]) -> list[str]:
-    """'r', 'r+2', ... for the loop placement the CSV runtime uses."""
-    return ["r" if i == 0 else f"r+{i * len(placement)}" for i in range(len(placement[0]))]
-
-
 class Deadlock(RuntimeError):
     """No rank can run its next action; ``blocked`` holds (rank, next action) of each unfinished rank."""
 
@@ -142,9 +136,8 @@ def _flatten(action) -> list[Action]:
 
 def lowered(ops: list[list]) -> tuple[list[list[Action]], dict[Action, Action]]:
     """Each rank's compute actions in order (torch's action lists flattened), and {action: the action after which
-    its output is sent} for the actions an overlapped pair (OVERLAP_F_B, DualPipeV's) runs before its last: torch's
-    lowering (``schedules._add_send_recv``) puts the pair, then the sends of its actions, so a forward's output
-    leaves its rank only once the pair's backward is done too."""
+    its output is sent} for the actions an overlapped pair runs before its last (docs/pipeline.md, "The
+    simulation"; torch's lowering, ``schedules._add_send_recv``, sends after the whole pair)."""
     queues, sent_after = [], {}
     for rank_ops in ops:
         queue = []
@@ -159,13 +152,8 @@ def lowered(ops: list[list]) -> tuple[list[list[Action]], dict[Action, Action]]:
 
 @dataclass(frozen=True)
 class Program:
-    """A schedule compiled for replay: each rank's actions in order, and what each action waits for.
-
-    An action starts when its rank is free and its inputs exist: a forward needs the previous
-    stage's forward of the microbatch, a backward (B or I) its own forward and the next stage's
-    backward of the microbatch, a weight gradient its own input gradient. An input made on another
-    rank arrives one transfer after it was sent: when it was made, or, inside an overlapped pair,
-    when the pair's last action is done (``lowered``)."""
+    """A schedule compiled for replay: each rank's actions in order, and what each action waits for
+    (docs/pipeline.md, "The simulation")."""
 
     actions: tuple[Action, ...]
     """Every action; index = action id."""

@@ -1,8 +1,7 @@
-"""Where the model is cut into pipeline stages, and which rank runs which stage: the split keys checked
-against the model and the schedule, and the split chosen (given, balanced, or searched by ``search``).
-A stage is a contiguous run of blocks; the first also holds the modules before them, the last those after.
-"""
+"""Where the model is cut into pipeline stages (contiguous runs of blocks), and which rank runs which stage: the
+split keys checked against the model and the schedule, and the split chosen (docs/pipeline.md, "Splitting")."""
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,14 +80,10 @@ def module_costs(model: nn.Module, layout: ModelLayout, *, mode: Literal["flops"
 
 
 def balanced_split(pre: float, blocks: list[float], post: float, num_stages: int) -> list[int]:
-    """Block counts per stage minimising the most expensive stage (pre on the first, post on the last).
-
-    Exact dynamic programme over contiguous partitions; every stage gets at least one block.
-    """
+    """Block counts per stage minimising the most expensive stage (pre on the first, post on the last): an exact
+    dynamic programme over contiguous partitions, every stage at least one block."""
     n = len(blocks)
-    prefix = [0.0]
-    for c in blocks:
-        prefix.append(prefix[-1] + c)
+    prefix = list(itertools.accumulate(blocks, initial=0.0))
     inf = float("inf")
     # best[s][i]: smallest max-stage-cost putting blocks[:i] into stages 0..s-1
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]

@@ -1,11 +1,11 @@
-"""Measured pipeline timelines (``[profiling] pipeline_timeline_steps``): each rank records when each compute
-action of its stages ran, and when each block began and ended inside it; the reporting rank merges every rank's
-into a Chrome/Perfetto trace and a picture, logs each pipeline rank's measured bubble and hands the actions to the
-calibration. docs/pipeline.md, "Measured timeline", describes the trace and its parts (lead, blocks, tail)."""
+"""Measured pipeline timelines (``[profiling] pipeline_timeline_steps``): when each compute action and each block
+inside it ran on every rank, as a trace, a picture and a bubble per pipeline rank (docs/pipeline.md, "Measured
+timeline")."""
 
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,11 +24,9 @@ class PipelineTimeline:
 
     def __init__(self, steps: list[int], folder: Path, *, rank: int, pp_rank: int, writer: bool,
                  program=None, sync: bool = False, calibration=None):
-        """``program`` (a ``simulate.Program``, the schedule's action lists): replayed with the
-        measured action times and drawn under the measured timeline (None: measured only). ``sync`` (CUDA): wait for the
-        device around each timed action, so the times are when the kernels ran, not when they were
-        queued (only in timed steps). ``calibration`` (a ``calibrate.Calibration``, on the writer):
-        compares each timed step with the plan's prediction and writes the measured costs."""
+        """``program`` (a ``simulate.Program``): replayed with the measured action times and drawn under the measured
+        timeline (None: measured only). ``sync`` (CUDA, timed steps only): wait for the device around each timed
+        action, so the times are when the kernels ran. ``calibration`` (a ``calibrate.Calibration``, on the writer)."""
         self.steps, self.folder = set(steps), Path(folder)
         self.calibration = calibration
         self.rank, self.pp_rank, self.writer = rank, pp_rank, writer
@@ -52,11 +50,12 @@ class PipelineTimeline:
                 from trainer.models.registry import model_blocks
 
                 blocks = list(model_blocks(stage.submod, layers_attr).values())
-                for i, block in enumerate(blocks):
-                    block.register_forward_pre_hook(self._block_starts(i))
                 if blocks:
-                    blocks[-1].register_forward_hook(self._last_block_ends(len(blocks)))
+                    hook_block_boundaries(blocks, self._timing_forward, self._mark)
                     self.block_counts[stage.stage_index] = len(blocks)
+
+    def _timing_forward(self) -> bool:
+        return self.current is not None and self.current["kind"] == "F"
 
     def _mark(self, boundary: int) -> None:
         """The running action's first crossing of block ``boundary`` (0: before the first block, n: after the
@@ -65,32 +64,6 @@ class PipelineTimeline:
             if self.sync:
                 torch.cuda.synchronize()
             self.current["bounds"][boundary] = time.time_ns()
-
-    def _block_starts(self, index: int):
-        def hook(module, args) -> None:
-            if self.current is None or self.current["kind"] != "F":
-                return
-            self._mark(index)
-            # the hidden state: the first input that carries a gradient (a traced block takes the rotary
-            # table first); its gradient is ready when the backward has passed this block
-            hidden = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-            if hidden is not None:
-                hidden.register_hook(self._gradient_reaches(index))
-        return hook
-
-    def _last_block_ends(self, count: int):
-        def hook(module, args, output) -> None:
-            if self.current is None or self.current["kind"] != "F":
-                return
-            self._mark(count)
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(self._gradient_reaches(count))
-        return hook
-
-    def _gradient_reaches(self, boundary: int):
-        def hook(grad):
-            self._mark(boundary)
-        return hook
 
     def timed_loss(self, loss_fn):
         """``loss_fn`` whose time, in recorded steps, joins the forward that precedes it (the schedule
@@ -190,13 +163,39 @@ class PipelineTimeline:
         return bubbles
 
 
+def hook_block_boundaries(blocks: list, timing: Callable[[], bool], mark: Callable[[int], None],
+                          first_input: Callable[[torch.Tensor], None] | None = None) -> list:
+    """Call ``mark(i)`` when a forward, while ``timing()``, crosses block boundary ``i`` (0: before the first
+    block, ``len(blocks)``: after the last) and again when the backward's gradient reaches it; ``first_input``
+    receives the first block's hidden input in those forwards. Returns the hooks' handles."""
+
+    def crossed(boundary: int, hidden) -> None:
+        mark(boundary)
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            if boundary == 0 and first_input is not None:
+                first_input(hidden)
+            hidden.register_hook(lambda grad: mark(boundary))
+
+    def starts(index: int):
+        def hook(module, args) -> None:
+            # the hidden state: the first input that carries a gradient (a traced block takes the rotary
+            # table first); its gradient is ready when the backward has passed this block
+            if timing():
+                crossed(index, next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None))
+        return hook
+
+    def ends(module, args, output) -> None:
+        if timing():
+            crossed(len(blocks), output)
+
+    handles = [block.register_forward_pre_hook(starts(i)) for i, block in enumerate(blocks)]
+    return handles + [blocks[-1].register_forward_hook(ends)]
+
+
 def part_seconds(event: dict) -> dict:
-    """Where an action's time went, from the marks its blocks left (``PipelineTimeline.attach``): "lead"
-    (seconds before its first block: a forward's start, a backward's end), "tail" (after its last block:
-    a forward's end, a backward's start) and "blocks" (each block's seconds, in the stage's order); a
-    backward runs the tail first and the lead last. A weight gradient is not divided (its blocks and
-    the parts around them run in one pass), except the first stage's, which is that stage's whole
-    backward (torch's split backward). Parts whose marks are missing are left out."""
+    """Where an action's time went, from the marks its blocks left: {"lead": seconds before its first block, "tail":
+    after its last (a backward runs the tail first), "blocks": each block's seconds}, parts whose marks are missing
+    left out. A weight gradient is not divided (one pass), except the first stage's, its whole backward."""
     n = event.get("blocks", 0)
     bounds = {int(i): t for i, t in event.get("bounds", {}).items()}  # JSON keys are strings
     if not n or (event["kind"] == "W" and event["stage"] != 0):
@@ -239,18 +238,9 @@ def merge_timeline(ranks: list[dict], step: int) -> tuple[dict, dict[int, float]
 _COLORS = dict(zip(KINDS, ("#4e79a7", "#e15759", "#f28e2b", "#59a14f")))
 
 
-def _tick_step(span: float) -> float:
-    """The smallest of 1, 2, 5 x 10^k above span / 10, so that 5 to 10 ticks from 0 fall within the span."""
-    return min(m * 10.0 ** k for k in range(-6, 12) for m in (1, 2, 5) if m * 10.0 ** k > span / 10)
-
-
-def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int,
-                 simulated_title: str = "schedule replayed with the measured action times, free communication") -> str:
-    """A picture of the measured timeline (one row per pipeline rank, its first rank standing for its
-    TP/FSDP peers) above the simulated one ((pp rank, kind, stage, microbatch, start, end), microseconds),
-    both on one time scale so that equal durations have equal widths. Each box is one action, labelled
-    like a CSV cell (stage, kind, microbatch); beside each row, its bubble: the share of its panel's span
-    in which it runs no action (for the measured panel, the bubble ``merge_timeline`` reports)."""
+def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int) -> str:
+    """A picture of the measured timeline (one row per pipeline rank) above the simulated one ((pp rank, kind, stage,
+    microbatch, start, end), microseconds) on one time scale, each row's bubble beside it (docs/pipeline.md)."""
     from xml.sax.saxutils import escape
 
     width, row, left, right = 1000, 22, 70, 90
@@ -267,10 +257,12 @@ def timeline_svg(trace: dict, simulated: list[tuple] | None, step: int,
         for p, kind, stage, mb, start, end in simulated:
             sim_rows.setdefault(p, []).append((kind, stage, mb, start, end))
         t0 = min(s[4] for s in simulated)
-        panels.append((simulated_title, sim_rows, t0, max(s[5] for s in simulated) - t0))
+        panels.append(("schedule replayed with the measured action times, free communication", sim_rows, t0,
+                       max(s[5] for s in simulated) - t0))
     longest = max(span for *_, span in panels)
     scale = width / longest  # px per us, shared by the panels
-    tick = _tick_step(longest / 1e3)  # ms
+    # ms: the smallest of 1, 2, 5 x 10^k above a tenth of the span, so that 5 to 10 ticks fall within it
+    tick = min(m * 10.0 ** k for k in range(-6, 12) for m in (1, 2, 5) if m * 10.0 ** k > longest / 1e3 / 10)
 
     out = ['<g id="legend">']
     x = left
