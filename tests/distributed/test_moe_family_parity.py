@@ -3,7 +3,8 @@ parallelism with FSDP and inside pipeline stages under ZBVZeroBubble (V placemen
 that split each family's own parts: gpt-oss's sinks sharded with the heads under EP x TP, DeepSeek-V3's latent
 attention with its heads split (TP, its shared rotary key's gradient summed over the tp ranks) under CP. Every
 gradient is compared per tensor (tests/parity.py), the families' own parameters included (sinks, biases, the
-router's bias, the latent projections). All cases share one launch of 4 ranks. Context parallelism is refused for sinks at plan time.
+router's bias, the latent projections). All cases share one launch of 4 ranks. Context parallelism is refused for
+sinks at plan time.
 
 Tiny shapes: dim 64, 4 blocks, 4 heads of 16 with 2 kv heads, 8 experts of 32 (2 per token), sliding windows of
 8 tokens within 32-token windows of short documents; gpt-oss's SwiGLU clamp at 0.1 (reached at init).
