@@ -34,6 +34,7 @@ def test_a_family_config_plans_on_8_gpus(name, tmp_path):
 MOE_CONFIGS = {
     "gpt_oss_20b": ("gpt_oss", 8, 21.0, 3.6, "Model: gpt_oss 20b"),
     "gpt_oss_120b": ("gpt_oss", 64, 117.0, 5.1, "Model: gpt_oss 120b"),
+    "mixtral_8x7b": ("mixtral", 16, 46.7, 12.9, "Model: mixtral 8x7B"),
 }
 
 
