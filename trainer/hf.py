@@ -55,7 +55,9 @@ def export_hf(chunks, spec: ModelSpec, args, folder: Path, dtype: torch.dtype, *
             full = full_tensor(value)
             if name in aliases:  # HF ties lm_head to the embedding itself (tie_word_embeddings)
                 continue
-            converted = hf.to_hf(name, full.detach().to("cpu", dtype), args)
+            # the router's choosing bias stays float32 (transformers keeps it so; a bf16 bias can change the choice)
+            keep = torch.float32 if name.endswith("router.expert_bias") else dtype
+            converted = hf.to_hf(name, full.detach().to("cpu", keep), args)
             keys = hf.names(name, args)
             # One of ours may be several of theirs, stacked on dim 0 (e.g. one tensor per expert), and several of
             # ours one of theirs (joined by the adapter; they sit in one block, so in one chunk).
@@ -260,9 +262,16 @@ def load_hf_(chunks, spec: ModelSpec, args, folder: Path, key: str = _KEY) -> No
         buffers = [(n, b) for n, b in chunk.named_buffers() if n in saved]
         for name, param in [*chunk.named_parameters(), *buffers]:
             source = aliases.get(name, name)
-            keys = hf.names(source, args)
-            if any(t not in weight_map for t in keys) and name in dict(buffers):
-                logger.info("%s has no %s: %s keeps its initial value", folder, keys[0], name)
+            is_buffer = name in dict(buffers)
+            try:
+                keys = hf.names(source, args)
+            except UserError:  # a buffer the family's published layout has no place for (a bias it trains itself)
+                if not is_buffer:
+                    raise
+                keys = []
+            if is_buffer and (not keys or any(t not in weight_map for t in keys)):
+                logger.info("%s has no %s: %s keeps its initial value", folder, keys[0] if keys else "tensor for it",
+                            name)
                 continue
             parts = [_read_tensor(folder, weight_map, tensor, name, key, block) for tensor in keys]
             full = torch.stack(parts) if len(keys) > 1 else parts[0]

@@ -68,8 +68,12 @@ CASES = {
             "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
     "deepseek_v3": ("deepseek_v3", T.DeepseekV3ForCausalLM, T.DeepseekV3Config, DEEPSEEK),
+    # Without the q latent, and routing values other than the flavor's (so that each must be read from config.json):
+    # 2 groups of which 1 is eligible, 2 shared experts, no dense block, another scale, weights not renormalised, and
+    # an rms_norm_eps that the latent norms do not take (they keep 1e-6).
     "deepseek_v3-no-q-lora": ("deepseek_v3", T.DeepseekV3ForCausalLM, T.DeepseekV3Config, dict(
-        DEEPSEEK, q_lora_rank=None, num_hidden_layers=2)),
+        DEEPSEEK, q_lora_rank=None, num_hidden_layers=2, n_group=2, topk_group=1, n_shared_experts=2,
+        first_k_dense_replace=0, routed_scaling_factor=1.7, norm_topk_prob=False, rms_norm_eps=1e-5)),
 }
 
 
@@ -165,3 +169,19 @@ def test_a_hub_id_is_read_from_the_cache_offline_or_said_in_one_line(tmp_path, m
             " cannot be reached") in err
     with pytest.raises(UserError, match=r"\[checkpoint\] initial_load_path: org/absent is not a folder here"):
         load_plan(["--model.name", "qwen3", "--checkpoint.initial_load_path", "org/absent"], 1)
+
+
+def test_an_imported_mixture_trains_a_choosing_bias_its_checkpoint_has_no_place_for(tmp_path, caplog):
+    """A Mixtral folder (no choosing bias in its layout) trained with the auxiliary-loss-free balancing: the bias
+    starts at zero, said in one line, rather than the load failing on a tensor the layout cannot name."""
+    hf_model("mixtral").save_pretrained(str(tmp_path / "hf"))
+    Tokenizer(max_ranks=VOCAB - 2).save_hf(tmp_path / "hf")
+    job = tmp_path / "job.toml"
+    job.write_text(f'[model]\nname = "mixtral"\ntokenizer_path = "{tmp_path / "hf" / "tokenizer.json"}"\n'
+                   f'[model.overrides]\nbias_update_speed = 0.001\n'
+                   f'[checkpoint]\ninitial_load_path = "{tmp_path / "hf"}"\n'
+                   f'[training]\nsteps = 1\nseq_len = 32\nlocal_batch_size = 2\nmixed_precision_param = "float32"\n'
+                   f'[metrics]\nenable_tensorboard = false\n[job]\ndump_folder = "{tmp_path / "run"}"\n')
+    with caplog.at_level("INFO"):
+        assert main(load_config(job)).losses
+    assert "moe.router.expert_bias keeps its initial value" in caplog.text

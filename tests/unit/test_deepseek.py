@@ -1,7 +1,7 @@
 """The DeepSeek-V3 family's pieces on their own: grouped top-k routing and its choosing bias against hand-worked
 cases, the bias kept by checkpoints and moved by training after an import, float8 block-scaled weights dequantized
 on import, and the FLOP count of latent attention. (Logits, generation and export against transformers:
-tests/integration/test_families.py; parallel layouts: tests/distributed/test_deepseek_parity.py.)"""
+tests/integration/test_families.py; parallel layouts: tests/distributed/test_moe_family_parity.py.)"""
 
 import dataclasses
 import json
@@ -144,3 +144,28 @@ def test_flops_count_latent_attention():
     weights = 2 * attn + dense + moe.router.gate.weight.numel() + routed + shared + model.output.weight.numel()
     scores = 6 * a.n_heads * (8 + 6) * seq * a.n_layers
     assert moe_flops_per_token(a, seq) == 6 * weights + scores
+
+
+def test_a_bfloat16_export_keeps_the_choosing_bias_in_float32(tmp_path):
+    """transformers keeps e_score_correction_bias in float32; rounded to bfloat16 (3 significant digits) a bias can
+    change which experts are chosen."""
+    model = build()
+    bias = torch.full((8,), 1.0) + torch.arange(8.0) * 1e-4  # distinct in float32, equal in bfloat16
+    model.layers["1"].moe.router.expert_bias.copy_(bias)
+    export_hf([model], SPEC, TINY, tmp_path / "hf", torch.bfloat16, pp_rank=0, pp=1, writer=True)
+    tensors = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].tolist() == bias.tolist()
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family, option, value", [
+    ("deepseek_v3", "expert_activation", "swiglu_clamped"), ("deepseek_v3", "expert_biases", True),
+    ("gpt_oss", "n_expert_groups", 2), ("mixtral", "n_expert_groups", 2), ("mixtral", "expert_bias", True),
+    ("moe", "router_bias", True),
+])
+def test_an_export_that_would_drop_a_routing_or_expert_option_is_refused(family, option, value):
+    """Each class can hold only its own options: exported anyway, transformers would compute another model."""
+    spec = get_model_spec(family)
+    assert spec.hf.why_not(spec.flavors["debugmodel"]) is None
+    assert spec.hf.why_not(dataclasses.replace(spec.flavors["debugmodel"], **{option: value}))

@@ -148,17 +148,17 @@ class Checkpointer:
     def maybe_save(self, step: int, *, last: bool, final: bool) -> None:
         """Save at every ``interval`` and at this run's ``last`` step. At the ``final`` step of
         training, ``last_save_model_only`` also writes the weights alone, and ``export_hf`` exports them."""
-        if final and self.cfg.export_hf:
+        if self.cfg.enable and (last or step % self.cfg.interval == 0):
+            self.wait()  # at most one save in flight: the next waits for the previous
+            # The full state is saved at the end too, so that raising [training] steps continues the run.
+            self._save(self._state(step), f"step-{step}", background=self.cfg.async_mode != "disabled" and not last)
+            if final and self.cfg.last_save_model_only:
+                dtype = torch_dtype(self.cfg.export_dtype)
+                # the router's choosing bias stays float32 (in bf16 it can change which experts are chosen)
+                self._save({"model": {k: v if k.endswith("router.expert_bias") else v.to(dtype)
+                                      for k, v in self._model_state().items()}}, f"model-step-{step}", background=False)
+        if final and self.cfg.export_hf:  # after the save: an export that fails keeps the last checkpoint
             self.export_hf(step)
-        if not self.cfg.enable or not (last or step % self.cfg.interval == 0):
-            return
-        self.wait()  # at most one save in flight: the next waits for the previous
-        # The full state is saved at the end too, so that raising [training] steps continues the run.
-        self._save(self._state(step), f"step-{step}", background=self.cfg.async_mode != "disabled" and not last)
-        if final and self.cfg.last_save_model_only:
-            dtype = torch_dtype(self.cfg.export_dtype)
-            self._save({"model": {k: v.to(dtype) for k, v in self._model_state().items()}}, f"model-step-{step}",
-                       background=False)
 
     def export_hf(self, step: int) -> None:
         """Write the Hugging Face export of this step (every rank calls it: it gathers sharded weights)."""

@@ -21,7 +21,7 @@ from trainer.models.decoder.hf import base_args, beyond, refuse_unless, require,
 from trainer.models.moe import build_tp_plan as moe_tp_plan
 from trainer.models.moe import moe_spec
 from trainer.models.moe.args import MoEArgs
-from trainer.models.moe.hf import MoEHF
+from trainer.models.moe.hf import MoEHF, experts_beyond
 from trainer.models.registry import register_model
 
 FAMILY = "deepseek_v3"
@@ -90,7 +90,8 @@ def deepseek_args(config: dict, base: MoEArgs) -> dict:
             "n_expert_groups": groups, "topk_groups": top_groups,
             "n_shared_experts": _count(config, "n_shared_experts", at_least=0),
             "norm_topk": bool(config.get("norm_topk_prob", True)),
-            "route_scale": float(config.get("routed_scaling_factor", 1.0)), "score_func": "sigmoid",
+            # where config.json leaves a key out, transformers' class defaults (a scale of 2.5)
+            "route_scale": float(config.get("routed_scaling_factor", 2.5)), "score_func": "sigmoid",
             "expert_bias": True}
 
 
@@ -120,6 +121,8 @@ def _write(a: MoEArgs) -> dict:
 
 
 def _why_not(a: MoEArgs) -> str | None:
+    if why := experts_beyond(a, "DeepseekV3ForCausalLM", holds=("n_expert_groups", "expert_bias")):
+        return why
     if not a.kv_lora_rank:
         return "kv_lora_rank = 0 (DeepseekV3ForCausalLM's attention is latent attention)"
     if a.score_func != "sigmoid" or not (a.expert_bias or a.bias_update_speed):

@@ -20,7 +20,7 @@ from trainer.errors import UserError
 from trainer.models.decoder.hf import base_args, beyond, require, rope_args, window_args
 from trainer.models.moe import moe_spec
 from trainer.models.moe.args import MoEArgs
-from trainer.models.moe.hf import MoEHF
+from trainer.models.moe.hf import MoEHF, experts_beyond
 from trainer.models.registry import register_model
 
 # Our expert tensors -> the published name in model.layers.N.mlp.experts (w1/w3 share one, interleaved).
@@ -44,7 +44,18 @@ def _count(config: dict, key: str) -> int:
     return value
 
 
+# What transformers' GptOssConfig computes where config.json leaves a key out (a hand-written or trimmed file): the
+# same model here.
+_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 128,
+             "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0}}
+
+
 def gpt_oss_args(config: dict, base: MoEArgs) -> dict:
+    if any(k in config for k in ("rope_parameters", "rope_scaling", "rope_theta")):
+        config = {k: v for k, v in _DEFAULTS.items() if k != "rope_scaling"} | config
+    else:
+        config = _DEFAULTS | config
     types = config.get("layer_types")
     if types is not None:
         if not isinstance(types, list):
@@ -83,6 +94,8 @@ def _write(a: MoEArgs) -> dict:
 
 
 def _why_not(a: MoEArgs) -> str | None:
+    if why := experts_beyond(a, "GptOssForCausalLM", holds=("router_bias", "expert_biases", "expert_activation")):
+        return why
     gpt_oss = {"attn_sinks": True, "attn_out_bias": a.qkv_bias, "router_bias": True, "expert_biases": True,
                "expert_activation": "swiglu_clamped", "n_dense_layers": 0, "n_shared_experts": 0,
                "bias_update_speed": 0.0, "score_func": "softmax", "norm_topk": True, "route_scale": 1.0}

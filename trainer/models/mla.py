@@ -17,6 +17,9 @@ from torch import nn
 from trainer.models.decoder.args import DecoderArgs
 from trainer.models.decoder.model import KVCache, RMSNorm, apply_rope, attend
 
+# The latent paths' norms have their own epsilon, not rms_norm_eps (DeepSeek's code and transformers' class).
+LATENT_NORM_EPS = 1e-6
+
 
 class LatentAttention(nn.Module):
     def __init__(self, args: DecoderArgs):
@@ -27,12 +30,12 @@ class LatentAttention(nn.Module):
         qk = self.nope + self.rope_dim
         if args.q_lora_rank:
             self.wq, self.wq_a = None, nn.Linear(dim, args.q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+            self.q_a_norm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(args.q_lora_rank, heads * qk, bias=False)
         else:
             self.wq, self.wq_a, self.q_a_norm, self.wq_b = nn.Linear(dim, heads * qk, bias=False), None, None, None
         self.wkv_a = nn.Linear(dim, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_a_norm = RMSNorm(self.kv_lora_rank, args.norm_eps)
+        self.kv_a_norm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_lora_rank, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, dim, bias=False)
         self.scale = args.attn_scale  # None: qk ** -0.5 (the DeepSeek mapping sets yarn's mscale into it)

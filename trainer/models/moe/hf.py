@@ -17,11 +17,12 @@ from trainer.models.moe.args import MoEArgs
 _EXPERTS = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
 
 
-def experts_beyond(args: MoEArgs, architecture: str) -> str | None:
-    """The router and expert options (gpt-oss's) that ``architecture``, a plain SwiGLU mixture, cannot hold."""
-    extra = [f"{k} = {getattr(args, k)!r}" for k, default in (("router_bias", False), ("expert_biases", False),
-                                                               ("expert_activation", "swiglu"))
-             if getattr(args, k) != default]
+def experts_beyond(args: MoEArgs, architecture: str, holds: tuple[str, ...] = ()) -> str | None:
+    """The router and expert options (gpt-oss's, DeepSeek-V3's) that ``architecture``, a plain SwiGLU mixture with
+    ungrouped routing, cannot hold (those in ``holds`` it can)."""
+    extra = [f"{k} = {getattr(args, k)!r}" for k, default in (
+        ("router_bias", False), ("expert_biases", False), ("expert_activation", "swiglu"), ("n_expert_groups", 1),
+        ("expert_bias", False)) if k not in holds and getattr(args, k) != default]
     return f"{', '.join(extra)} ({architecture} has no such option)" if extra else None
 
 
