@@ -43,6 +43,11 @@ class Recorder:
 
     def on_end(self, parts) -> None:
         self._collect(parts.chunks, "param/", lambda p: p)
+        for chunk in parts.chunks:  # the state kept in checkpoints besides parameters (a router's choosing bias)
+            kept = chunk.state_dict().keys()
+            for name, buffer in chunk.named_buffers():
+                if name in kept and buffer.is_floating_point():
+                    self.tensors.setdefault("buffer/" + name, []).append(buffer.detach().float().cpu().clone())
 
     def _collect(self, chunks, prefix: str, pick) -> None:
         # Every rank of a DTensor's mesh walks the same chunk in the same order, so the
@@ -133,7 +138,7 @@ def compare(result: Tensors, reference: Tensors, rtol: float = RTOL, floor: floa
 
 
 def _group(key: str) -> str:
-    """'grad/3/layers.0.wq.weight' -> 'grad/3'; 'param/x' -> 'param'."""
+    """'grad/3/layers.0.wq.weight' -> 'grad/3'; 'param/x' -> 'param'; 'buffer/x' -> 'buffer'."""
     return key.rsplit("/", 1)[0]
 
 
