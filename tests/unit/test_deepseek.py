@@ -169,3 +169,15 @@ def test_an_export_that_would_drop_a_routing_or_expert_option_is_refused(family,
     spec = get_model_spec(family)
     assert spec.hf.why_not(spec.flavors["debugmodel"]) is None
     assert spec.hf.why_not(dataclasses.replace(spec.flavors["debugmodel"], **{option: value}))
+
+
+def test_the_multi_token_prediction_layer_left_unread_is_said(caplog):
+    from transformers import DeepseekV3Config
+
+    from trainer.models.deepseek import deepseek_args
+
+    config = DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=1, hidden_size=64, num_attention_heads=4,
+                              vocab_size=100, num_nextn_predict_layers=1).to_dict()
+    with caplog.at_level("WARNING"):
+        deepseek_args(config, SPEC.flavors["debugmodel"])
+    assert "num_nextn_predict_layers = 1: the multi-token-prediction layer is not read" in caplog.text

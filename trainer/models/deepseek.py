@@ -10,6 +10,7 @@ read (no such module here). yarn's ``mscale_all_dim`` scales the softmax by its 
 """
 
 import dataclasses
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from trainer.models.moe import moe_spec
 from trainer.models.moe.args import MoEArgs
 from trainer.models.moe.hf import MoEHF, experts_beyond
 from trainer.models.registry import register_model
+
+logger = logging.getLogger(__name__)
 
 FAMILY = "deepseek_v3"
 _NAMES = {  # ours (within a block) -> transformers'
@@ -56,6 +59,9 @@ def deepseek_args(config: dict, base: MoEArgs) -> dict:
     refuse_unless(config, {"hidden_act": ("silu",), "attention_bias": (False,), "scoring_func": ("sigmoid",),
                            "topk_method": ("noaux_tc",), "rope_interleave": (True,), "moe_layer_freq": (1,)}, FAMILY)
     args = base_args(config, FAMILY)
+    if mtp := config.get("num_nextn_predict_layers"):
+        logger.warning("config.json num_nextn_predict_layers = %r: the multi-token-prediction layer is not read (its"
+                       " tensors stay in the folder; the model predicts the next token only)", mtp)
     del args["ffn_hidden_override"]  # the dense blocks' size is dense_hidden_dim
     heads, layers = args["n_heads"], args["n_layers"]
     kv_lora, nope, rope = _count(config, "kv_lora_rank"), _count(config, "qk_nope_head_dim", at_least=0), \
