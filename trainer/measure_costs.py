@@ -217,9 +217,8 @@ def measure(config, *, device_name: str, steps: int, out: str | None) -> tuple[P
     except torch.OutOfMemoryError as e:
         raise UserError(f"--device {device_name}: out of memory running the whole model ({plan.num_params:,}"
                         f" parameters) on one microbatch of {batch} x {config.training.seq_len} tokens"
-                        f" ({one_line(e)[:120]}); time it with a smaller [training] seq_len or"
-                        " [parallelism] pipeline_parallel_microbatch_size, or measure in a timed pipeline run"
-                        ) from None
+                        f" ({one_line(e)[:120]}); time it with a smaller [training] seq_len or [parallelism]"
+                        " pipeline_parallel_microbatch_size, or measure in a timed pipeline run") from None
     parts_sum = sum(measured["F"]) + sum(measured["B"])
     units = pipeline_costs(config, plan.spec, plan.model_args, model, plan.dims, device.type, relative=True)
     path = Path(out or Path(config.job.dump_folder) / config.profiling.save_traces_folder / "pipeline_costs.json")

@@ -82,8 +82,8 @@ class Calibration:
         if per_block := self._per_block():
             per_rank += f"; a block took {per_block} (the costs price every rank's blocks alike)"
         return (f"pipeline costs of step {step}: {per_rank}. Bubble per pp rank measured "
-                f"{_bubbles(measured_bubble)}, predicted {_bubbles(_of(before))} before calibration,"
-                f" {_bubbles(_of(after))} after (a transfer between ranks fitted at {1e3 * send:.2f} ms);"
+                f"{_bubbles(measured_bubble)}, predicted {_bubbles(before)} before calibration,"
+                f" {_bubbles(after)} after (a transfer between ranks fitted at {1e3 * send:.2f} ms);"
                 f" {choice}; measured costs written to {self.path}")
 
     def _per_block(self) -> str:
@@ -217,9 +217,6 @@ def fit_transfer(costs: PartCosts, program: Program, counts: tuple[int, ...], sp
     return (low + high) / 2
 
 
-def _of(p: Prediction) -> dict[int, float]:
-    return {r: p.bubble(r) for r in range(len(p.busy))}
-
-
-def _bubbles(b: dict[int, float]) -> str:
+def _bubbles(b: "dict[int, float] | Prediction") -> str:
+    b = {r: b.bubble(r) for r in range(len(b.busy))} if isinstance(b, Prediction) else b
     return "/".join(f"{100 * b[r]:.1f}%" for r in sorted(b))

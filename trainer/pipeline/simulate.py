@@ -35,11 +35,9 @@ def check_schedule(schedule: str, pp: int, n_microbatches: int, stages_per_rank:
     except ImportError:  # older torch without the helper: torch checks again when the schedule is built
         return
     except (ValueError, AssertionError, RuntimeError) as e:
-        raise ConfigError(
-            f"[parallelism] pipeline_parallel_schedule={schedule} with {n_microbatches} microbatches"
-            f" ([training] local_batch_size / pipeline_parallel_microbatch_size) on {pp} ranks x"
-            f" {stages_per_rank} stages: {str(e).strip().splitlines()[0]}"
-        ) from None
+        raise ConfigError(f"[parallelism] pipeline_parallel_schedule={schedule} with {n_microbatches} microbatches"
+                          f" ([training] local_batch_size / pipeline_parallel_microbatch_size) on {pp} ranks x"
+                          f" {stages_per_rank} stages: {str(e).strip().splitlines()[0]}") from None
 
 
 def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> None:
@@ -58,20 +56,16 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
                           " (as many as the CSV uses, unless [parallelism] pipeline_parallel_split_points or"
                           " pipeline_parallel_layers_per_stage set them)")
     if mbs != set(range(n_microbatches)):
-        raise ConfigError(
-            f"{key}: {path} uses microbatches {sorted(mbs)}, but the job has {n_microbatches}"
-            " ([training] local_batch_size / pipeline_parallel_microbatch_size)"
-        )
+        raise ConfigError(f"{key}: {path} uses microbatches {sorted(mbs)}, but the job has {n_microbatches}"
+                          " ([training] local_batch_size / pipeline_parallel_microbatch_size)")
     owner = {stage: r for r, held in enumerate(placement) for stage in held}
     rule = ", ".join("r" if i == 0 else f"r+{i * pp}" for i in range(len(placement[0])))  # the CSV runtime's loop
     for r, row in enumerate(rows):
         for kind, stage, mb in row:
             if owner[stage] != r:
-                raise ConfigError(
-                    f"{key}: {path} row {r + 1} (pipeline rank {r}) has {stage}{kind}{mb}, but stage {stage} runs on"
-                    f" rank {owner[stage]} (rank r holds stages {rule}); rows go in"
-                    " pipeline-rank order"
-                )
+                raise ConfigError(f"{key}: {path} row {r + 1} (pipeline rank {r}) has {stage}{kind}{mb}, but stage"
+                                  f" {stage} runs on rank {owner[stage]} (rank r holds stages {rule}); rows go in"
+                                  " pipeline-rank order")
     where: dict[tuple[str, int, int], list[int]] = {}  # action -> its positions in its rank's row
     for row in rows:
         for i, action in enumerate(row):
@@ -80,22 +74,17 @@ def check_csv(path: str, placement: list[list[int]], n_microbatches: int) -> Non
         for mb in range(n_microbatches):
             count = {kind: len(where.get((kind, stage, mb), [])) for kind in KINDS}
             if count["F"] != 1:
-                raise ConfigError(
-                    f"{key}: {path}: stage {stage} microbatch {mb} runs forward {count['F']} times ({stage}F{mb});"
-                    " once is needed"
-                )
+                raise ConfigError(f"{key}: {path}: stage {stage} microbatch {mb} runs forward {count['F']} times"
+                                  f" ({stage}F{mb}); once is needed")
             if (count["B"], count["I"], count["W"]) not in ((1, 0, 0), (0, 1, 1)):
                 found = ", ".join(f"{n} x {stage}{k}{mb}" for k, n in count.items() if k != "F" and n) or "none"
-                raise ConfigError(
-                    f"{key}: {path}: stage {stage} microbatch {mb} needs one backward, {stage}B{mb} or {stage}I{mb}"
-                    f" then {stage}W{mb} (found {found})"
-                )
+                raise ConfigError(f"{key}: {path}: stage {stage} microbatch {mb} needs one backward, {stage}B{mb} or"
+                                  f" {stage}I{mb} then {stage}W{mb} (found {found})")
             first = {kind: where[(kind, stage, mb)][0] for kind in KINDS if count[kind]}
             for later, earlier in (("B", "F"), ("I", "F"), ("W", "I")):
                 if later in first and first[later] < first[earlier]:
-                    raise ConfigError(
-                        f"{key}: {path} row {owner[stage] + 1}: {stage}{later}{mb} comes before {stage}{earlier}{mb}"
-                    )
+                    raise ConfigError(f"{key}: {path} row {owner[stage] + 1}: {stage}{later}{mb} comes before"
+                                      f" {stage}{earlier}{mb}")
     try:
         unit_replay(compile_program(rows, num_stages))
     except Deadlock as e:

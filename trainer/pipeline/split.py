@@ -148,27 +148,20 @@ def build_pipeline_plan(parallelism: Parallelism, model: nn.Module, layout: Mode
     num_stages = num_stages_for(parallelism, traits, n_layers)
     source = "split points" if parallelism.pipeline_parallel_split_points else "stages"
     if num_stages % pp:
-        raise ConfigError(
-            f"{KEY}degree={pp} must divide the number of stages {num_stages} (from {source}); "
-            f"each rank holds the same number of stages"
-        )
+        raise ConfigError(f"{KEY}degree={pp} must divide the number of stages {num_stages} (from {source}); "
+                          f"each rank holds the same number of stages")
     per_rank = num_stages // pp
     if traits.stages_per_rank == "one" and per_rank != 1:
-        raise ConfigError(
-            f"{KEY}schedule={schedule} runs one stage per rank, but there are {num_stages} stages for"
-            f" {pp} ranks; use a multi-stage schedule (e.g. Interleaved1F1B) or {pp - 1} split points"
-        )
+        raise ConfigError(f"{KEY}schedule={schedule} runs one stage per rank, but there are {num_stages} stages for"
+                          f" {pp} ranks; use a multi-stage schedule (e.g. Interleaved1F1B) or {pp - 1} split points")
     if traits.stages_per_rank != "one" and per_rank < 2 and not traits.from_file:
-        raise ConfigError(
-            f"{KEY}schedule={schedule} needs at least 2 stages per rank, got {num_stages} stages for {pp} ranks;"
-            f" give {2 * pp - 1} split points or set pipeline_parallel_layers_per_stage"
-        )
+        raise ConfigError(f"{KEY}schedule={schedule} needs at least 2 stages per rank, got {num_stages} stages for"
+                          f" {pp} ranks; give {2 * pp - 1} split points or set pipeline_parallel_layers_per_stage")
     if traits.stages_per_rank == "two" and per_rank != 2:
         raise ConfigError(f"{KEY}schedule={schedule} needs exactly 2 stages per rank, got {per_rank}")
     if num_stages > n_layers:
-        raise ConfigError(
-            f"{KEY}degree={pp}: {num_stages} stages ({per_rank} per rank) but the model has only {n_layers} layers"
-        )
+        raise ConfigError(f"{KEY}degree={pp}: {num_stages} stages ({per_rank} per rank) but the model has only"
+                          f" {n_layers} layers")
 
     if traits.from_file:
         check_csv(parallelism.pipeline_parallel_schedule_csv,
