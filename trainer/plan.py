@@ -249,6 +249,9 @@ def resolve_attention(config: JobConfig, spec: ModelSpec) -> JobConfig:
     return dataclasses.replace(config, model=dataclasses.replace(model, attn_mask_type=resolved))
 
 
+MAX_MICROBATCHES = 10_000  # far above any real schedule; planning 10^6 took over a minute
+
+
 def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = True, world_name: str = "") -> JobPlan:
     """Decide and check everything about the job that needs no process group. Raises ConfigError.
 
@@ -288,6 +291,10 @@ def build_job_plan(config: JobConfig, world_size: int, *, check_memory: bool = T
     pipeline, n_micro = None, 1
     if dims.pp > 1:
         n_micro = t.local_batch_size // p.pipeline_parallel_microbatch_size
+        if n_micro > MAX_MICROBATCHES:  # the schedule's action lists (and their replay) grow with the count
+            raise ConfigError(f"[training] local_batch_size={t.local_batch_size} / [parallelism]"
+                              f" pipeline_parallel_microbatch_size={p.pipeline_parallel_microbatch_size}: {n_micro:,}"
+                              f" microbatches per step, more than {MAX_MICROBATCHES:,}; use larger microbatches")
         device = device_type() if check_memory else DRY_RUN_DEVICE
         limit = split_memory_limit(p, check_memory)
         memory = SplitMemory(config, spec, args, whole, dims, device, n_micro, limit)
