@@ -363,7 +363,7 @@ def test_a_split_set_beside_prepared_shards_is_said_to_be_ignored(tmp_path, capl
 
 def test_a_microbatch_count_no_schedule_is_planned_for_is_one_line():
     """10^6 microbatches per step: the schedule's action lists and their replay took over a minute to plan."""
-    with pytest.raises(ConfigError, match=r"local_batch_size=1000000 / \[parallelism\] pipeline_parallel_microbatch_size"
-                                          r"=1: 1,000,000 microbatches per step, more than 10,000"):
+    with pytest.raises(ConfigError, match=r"local_batch_size=1000000 / \[parallelism\] pipeline_parallel_microbatch"
+                                          r"_size=1: 1,000,000 microbatches per step, more than 10,000"):
         load_plan(["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "1000000",
                    "--training.global_batch_size", "-1"], 2)
