@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.errors import UserError
-from trainer.models.decoder.hf import base_args, beyond, refuse_unless, require, rope_args, rope_config
+from trainer.models.decoder.hf import base_args, beyond, require_count, refuse_unless, rope_args, rope_config
 from trainer.models.moe import build_tp_plan as moe_tp_plan
 from trainer.models.moe import moe_spec
 from trainer.models.moe.args import MoEArgs
@@ -46,13 +46,6 @@ def _mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def _count(config: dict, key: str, *, at_least: int = 1) -> int:
-    value = require(config, key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < at_least:
-        raise UserError(f"config.json {key} = {value!r}: must be a whole number >= {at_least}")
-    return value
-
-
 def deepseek_args(config: dict, base: MoEArgs) -> dict:
     """config.json of DeepseekV3ForCausalLM -> our args; what transformers' class would compute otherwise than
     we do is one line naming the key."""
@@ -64,12 +57,12 @@ def deepseek_args(config: dict, base: MoEArgs) -> dict:
                        " tensors stay in the folder; the model predicts the next token only)", mtp)
     del args["ffn_hidden_override"]  # the dense blocks' size is dense_hidden_dim
     heads, layers = args["n_heads"], args["n_layers"]
-    kv_lora, nope, rope = _count(config, "kv_lora_rank"), _count(config, "qk_nope_head_dim", at_least=0), \
-        _count(config, "qk_rope_head_dim")
+    kv_lora, rope = require_count(config, "kv_lora_rank"), require_count(config, "qk_rope_head_dim")
+    nope = require_count(config, "qk_nope_head_dim", at_least=0)
     q_lora = config.get("q_lora_rank")
-    q_lora = 0 if q_lora is None else _count(config, "q_lora_rank", at_least=0)
-    experts, groups = _count(config, "n_routed_experts"), _count(config, "n_group")
-    top_groups, top_k = _count(config, "topk_group"), _count(config, "num_experts_per_tok")
+    q_lora = 0 if q_lora is None else require_count(config, "q_lora_rank", at_least=0)
+    experts, groups = require_count(config, "n_routed_experts"), require_count(config, "n_group")
+    top_groups, top_k = require_count(config, "topk_group"), require_count(config, "num_experts_per_tok")
     if experts % groups or (groups > 1 and experts // groups < 2):
         raise UserError(f"config.json n_group = {groups}: must divide n_routed_experts = {experts} into groups of at"
                         " least 2 experts")
@@ -78,7 +71,7 @@ def deepseek_args(config: dict, base: MoEArgs) -> dict:
     if top_k > top_groups * (experts // groups):
         raise UserError(f"config.json num_experts_per_tok = {top_k}: more than the {top_groups * (experts // groups)}"
                         f" experts of topk_group = {top_groups} groups")
-    dense = _count(config, "first_k_dense_replace", at_least=0)
+    dense = require_count(config, "first_k_dense_replace", at_least=0)
     if dense >= layers:
         raise UserError(f"config.json first_k_dense_replace = {dense}: must be < num_hidden_layers = {layers} (at"
                         " least one block of experts)")
@@ -90,11 +83,11 @@ def deepseek_args(config: dict, base: MoEArgs) -> dict:
         scale *= _mscale(rope_options["rope_factor"], float(params["mscale_all_dim"])) ** 2
     return {**args, **rope_options, "n_kv_heads": heads, "head_dim_override": nope + rope, "qk_norm": "none",
             "kv_lora_rank": kv_lora, "q_lora_rank": q_lora, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
-            "v_head_dim": _count(config, "v_head_dim"), "attn_scale": scale, "n_dense_layers": dense,
-            "dense_hidden_dim": _count(config, "intermediate_size"),
-            "expert_hidden_dim": _count(config, "moe_intermediate_size"), "n_experts": experts, "top_k": top_k,
+            "v_head_dim": require_count(config, "v_head_dim"), "attn_scale": scale, "n_dense_layers": dense,
+            "dense_hidden_dim": require_count(config, "intermediate_size"),
+            "expert_hidden_dim": require_count(config, "moe_intermediate_size"), "n_experts": experts, "top_k": top_k,
             "n_expert_groups": groups, "topk_groups": top_groups,
-            "n_shared_experts": _count(config, "n_shared_experts", at_least=0),
+            "n_shared_experts": require_count(config, "n_shared_experts", at_least=0),
             "norm_topk": bool(config.get("norm_topk_prob", True)),
             # where config.json leaves a key out, transformers' class defaults (a scale of 2.5)
             "route_scale": float(config.get("routed_scaling_factor", 2.5)), "score_func": "sigmoid",

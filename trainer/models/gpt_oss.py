@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.errors import UserError
-from trainer.models.decoder.hf import base_args, beyond, require, rope_args, window_args
+from trainer.models.decoder.hf import base_args, beyond, require_count, require, rope_args, window_args
 from trainer.models.moe import moe_spec
 from trainer.models.moe.args import MoEArgs
 from trainer.models.moe.hf import MoEHF, experts_beyond
@@ -35,13 +35,6 @@ def _number(config: dict, key: str, default=None, *, positive: bool = True) -> f
             or (positive and value <= 0):
         raise UserError(f"config.json {key} = {value!r}: must be a finite number{' > 0' if positive else ''}")
     return float(value)
-
-
-def _count(config: dict, key: str) -> int:
-    value = require(config, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"config.json {key} = {value!r}: must be a whole number >= 1")
-    return value
 
 
 # What transformers' GptOssConfig computes where config.json leaves a key out (a hand-written or trimmed file): the
@@ -70,7 +63,7 @@ def gpt_oss_args(config: dict, base: MoEArgs) -> dict:
     bias = config.get("attention_bias", True)
     if not isinstance(bias, bool):
         raise UserError(f"config.json attention_bias = {bias!r}: must be true or false")
-    experts, top_k = _count(config, "num_local_experts"), _count(config, "num_experts_per_tok")
+    experts, top_k = require_count(config, "num_local_experts"), require_count(config, "num_experts_per_tok")
     if top_k > experts:
         raise UserError(f"config.json num_experts_per_tok = {top_k}: must be <= num_local_experts = {experts}")
     if types is None:  # transformers' default: every other layer slides, the first one included

@@ -140,6 +140,14 @@ def require(config: dict, key: str):
     return config[key]
 
 
+def require_count(config: dict, key: str, *, at_least: int = 1) -> int:
+    """``config[key]``, a whole number >= ``at_least`` (a missing key or another value is one line)."""
+    value = require(config, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < at_least:
+        raise UserError(f"config.json {key} = {value!r}: must be a whole number >= {at_least}")
+    return value
+
+
 def _rope_entries(config: dict) -> tuple[dict, dict | None]:
     """(the full-attention layers' rotary parameters, the sliding layers' own or None) from transformers 5's
     ``rope_parameters`` (flat, or one entry per layer type) or transformers 4's ``rope_theta`` / ``rope_scaling``
