@@ -85,8 +85,7 @@ class GroupedExperts(nn.Module):
             self.w3_bias = nn.Parameter(torch.empty(n_experts, hidden))
             self.w2_bias = nn.Parameter(torch.empty(n_experts, dim))
         self.biases = biases
-        self.gated = swiglu if activation == "swiglu" else functools.partial(
-            gated_activation, kind=activation, limit=limit, alpha=alpha)
+        self.gated = swiglu if activation == "swiglu" else functools.partial(clamped_swiglu, limit=limit, alpha=alpha)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: tokens grouped by expert (this rank's experts, in order); counts: tokens per expert."""
@@ -107,10 +106,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gated_activation(gate: torch.Tensor, up: torch.Tensor, kind: str, limit: float, alpha: float) -> torch.Tensor:
-    """SwiGLU, silu(gate) * up, or gpt-oss's clamped form (see MoEArgs.expert_activation)."""
-    if kind == "swiglu":
-        return swiglu(gate, up)
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's form (MoEArgs.expert_activation = "swiglu_clamped")."""
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return gate * torch.sigmoid(alpha * gate) * (up + 1)
 
