@@ -79,6 +79,22 @@ def record(config) -> tuple[object, Tensors]:
     return main(config, observer=recorder), recorder.tensors
 
 
+def reference_runs(tmp_path_factory, overrides_of):
+    """``get(key)``: the single-process run (``record``) of ``overrides_of(key)``, each in a dump folder of its own,
+    trained once per key and module (a module-scoped fixture returns this)."""
+    from trainer.config import load_config
+
+    cache = {}
+
+    def get(key):
+        if key not in cache:
+            dump = tmp_path_factory.mktemp("ref")
+            cache[key] = record(load_config(overrides=[*overrides_of(key), "--job.dump_folder", str(dump)]))
+        return cache[key]
+
+    return get
+
+
 def merge(records: list[Tensors]) -> Tensors:
     """All ranks' records as one (copies of a name from several ranks are kept side by side)."""
     merged: Tensors = {}

@@ -8,7 +8,7 @@ gradient per step and value after the last step (tests/parity.py; fp32, CPU, glo
 import pytest
 
 from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layout, selected
-from tests.parity import assert_parity, record
+from tests.parity import assert_parity, record, reference_runs
 from trainer.config import load_config
 
 AUTO = [P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", P + "no-enable_sequence_parallel"]
@@ -26,16 +26,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            dump = tmp_path_factory.mktemp("ref")
-            cache[family] = record(load_config(overrides=FAMILIES[family] + ["--training.local_batch_size", "8",
-                                                                           "--job.dump_folder", str(dump)]))
-        return cache[family]
-
-    return get
+    return reference_runs(tmp_path_factory, lambda family: FAMILIES[family] + ["--training.local_batch_size", "8"])
 
 
 @pytest.mark.slow

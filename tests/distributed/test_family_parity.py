@@ -11,8 +11,7 @@ Tiny shapes (dim 64, 4 blocks, 4 heads of 16 with 2 kv heads, vocabulary 512), s
 import pytest
 
 from tests.distributed.harness import PARITY, PARITY_RUN, Launches, P, selected
-from tests.parity import assert_parity, record
-from trainer.config import load_config
+from tests.parity import assert_parity, reference_runs
 
 M = "--model.overrides."
 SHAPE = [M + "dim", "64", M + "n_layers", "4", M + "n_heads", "4", M + "n_kv_heads", "2", M + "head_dim_override",
@@ -52,16 +51,7 @@ def layout_of(family: str, layout: str) -> tuple[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            dump = tmp_path_factory.mktemp("ref")
-            cache[family] = record(load_config(overrides=base(family) + ["--training.local_batch_size", "8",
-                                                                         "--job.dump_folder", str(dump)]))
-        return cache[family]
-
-    return get
+    return reference_runs(tmp_path_factory, lambda family: base(family) + ["--training.local_batch_size", "8"])
 
 
 @pytest.fixture(scope="module")

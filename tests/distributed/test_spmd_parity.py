@@ -9,8 +9,7 @@ summation order in the reductions. The worst tensor of each case is printed at t
 import pytest
 
 from tests.distributed.harness import CAUSAL, VARLEN, Launches, P, PARITY, run_layout, selected
-from tests.parity import assert_parity, compare, record
-from trainer.config import load_config
+from tests.parity import assert_parity, compare, reference_runs
 
 TIED = "--model.tie_embeddings"
 CP = P + "context_parallel_degree"
@@ -101,17 +100,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Single-process results and tensors for each set of model/training extras (tied, clipped), computed once."""
-    cache = {}
-
-    def get(extra: tuple[str, ...]):
-        if extra not in cache:
-            dump = tmp_path_factory.mktemp("ref")
-            cache[extra] = record(load_config(
-                overrides=PARITY + list(extra) + ["--training.local_batch_size", "8", "--job.dump_folder", str(dump)]
-            ))
-        return cache[extra]
-
-    return get
+    return reference_runs(tmp_path_factory, lambda extra: PARITY + list(extra) + ["--training.local_batch_size", "8"])
 
 
 def reference_extra(overrides: list[str]) -> tuple[str, ...]:

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layout, selected
-from tests.parity import REPORT, assert_parity, compare, record
-from trainer.config import load_config
+from tests.parity import REPORT, assert_parity, compare, reference_runs
 
 TRACER = [P + "pipeline_parallel_frontend", "tracer"]
 LAYERS4 = ["--model.overrides.n_layers", "4"]
@@ -59,15 +58,7 @@ RESULTS: dict[str, dict] = {}  # tracer results kept for the traced-vs-manual co
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            dump = tmp_path_factory.mktemp("ref")
-            cache[family] = record(load_config(overrides=FAMILIES[family] + B8 + ["--job.dump_folder", str(dump)]))
-        return cache[family]
-
-    return get
+    return reference_runs(tmp_path_factory, lambda family: FAMILIES[family] + B8)
 
 
 def case_args(name: str, folder) -> list[str]:
