@@ -1,6 +1,7 @@
 """Console and TensorBoard metrics: loss, grad norm, lr, throughput, MFU, memory."""
 
 import collections
+import functools
 import logging
 import math
 import resource
@@ -42,10 +43,15 @@ def peak_flops(device: torch.device, configured: float) -> float:
 
 def measured_cpu_peak(sizes: tuple[int, ...] = (512, 1024), repeats: int = 5) -> float:
     """FLOP/s of float32 square matmuls (each of ``sizes``) on this process's threads: one thread's fastest of
-    ``repeats`` after one warm-up, at the size that runs fastest, times the process's threads (~0.1 s). A
-    practical peak: what the step's matmuls could reach. One thread, the fastest run: other work at start-up
-    can hold a core, which halves a matmul spread over every thread and slows some runs; a peak read that way
-    would put the model's MFU above 100%."""
+    ``repeats`` after one warm-up, at the size that runs fastest, times the process's threads (~0.1 s, paid once
+    per process). A practical peak: what the step's matmuls could reach. One thread, the fastest run: other work
+    at start-up can hold a core, which halves a matmul spread over every thread and slows some runs; a peak read
+    that way would put the model's MFU above 100%."""
+    return _one_thread_peak(sizes, repeats) * torch.get_num_threads()
+
+
+@functools.lru_cache(maxsize=2)
+def _one_thread_peak(sizes: tuple[int, ...], repeats: int) -> float:
     threads = torch.get_num_threads()
     best = 0.0
     torch.set_num_threads(1)
@@ -60,7 +66,7 @@ def measured_cpu_peak(sizes: tuple[int, ...] = (512, 1024), repeats: int = 5) ->
                     best = max(best, 2 * size**3 / seconds)
     finally:
         torch.set_num_threads(threads)
-    return best * threads
+    return best
 
 
 def memory_gib(device: torch.device) -> tuple[float, str]:

@@ -48,6 +48,24 @@ def test_tokenizer_fits_model_vocab():
         build_tokenizer(load_config(overrides=["--model.tokenizer_vocab_size", "5000"]).model, 2048)
 
 
+def test_a_tokenizer_file_is_read_once_per_process_until_it_changes(tmp_path):
+    import base64
+    import os
+
+    from trainer.config.schema import Model
+
+    path = tmp_path / "tok.model"
+    path.write_text("".join(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256)))
+    model = Model(tokenizer_path=str(path))
+    first = build_tokenizer(model, 512)
+    assert build_tokenizer(model, 512) is first  # the same file: not read again
+    assert build_tokenizer(model, 300) is not first and build_tokenizer(model, 300).vocab_size == 258
+    path.write_text(path.read_text() + f"{base64.b64encode(b'ab').decode()} 256\n")
+    os.utime(path, ns=(1, 1))  # another version of the file, whatever the clock's resolution
+    changed = build_tokenizer(model, 512)
+    assert changed is not first and (first.vocab_size, changed.vocab_size) == (258, 259)
+
+
 def test_custom_tokenizer_file_and_corrupt_file(tmp_path, tok):
     import base64
 

