@@ -16,6 +16,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB
        # the custom model families of tests/fixtures are importable by name in every rank
        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fixtures"), os.environ.get("PYTHONPATH", "")])}
 
+# Token shards of the parity runs' text, kept between sessions (git ignores .pytest_cache; its name changes
+# with the text's size and time, the split and the tokenizer).
+TOKEN_CACHE = REPO / ".pytest_cache" / "token-shards"
+
 # Causal attention across the documents of a window ([model] attn_mask_type; block_causal by default for Llama).
 CAUSAL = ["--model.attn_mask_type", "causal"]
 # Block-causal attention document by document (the CPU backend), against a single process that uses it too.
@@ -40,6 +44,9 @@ PARITY = [
     # in training and in evaluation.
     "--training.dataset_path", str(REPO / "tests" / "fixtures" / "short_documents.txt"),
     "--validation.dataset_path", str(REPO / "tests" / "fixtures" / "short_documents.txt"),  # its last 10%
+    # One token cache for every run of the session (and the next): each split of the text is tokenized once,
+    # not once per case; runs after the first skip reading the text (and importing datasets).
+    "--training.dataloader.cache_folder", str(TOKEN_CACHE),
 ]
 # PARITY without its Llama overrides: the run settings, for other model families.
 PARITY_RUN = [a for i, a in enumerate(PARITY)

@@ -25,6 +25,8 @@ def pp(n: int, schedule: str, *extra: str) -> list[str]:
 LAYERS4 = ["--model.overrides.n_layers", "4"]
 LAYERS8 = ["--model.overrides.n_layers", "8"]
 B8 = ["--training.local_batch_size", "8"]
+# Tensor parallel stages: 4 microbatches of 2 (each microbatch's collectives cost ~4 ms with 4 ranks on 2 cores)
+B8_MB2 = [*B8, P + "pipeline_parallel_microbatch_size", "2"]
 
 # name: (ranks, model layers, overrides)
 CASES = {
@@ -56,7 +58,7 @@ CASES = {
     # composed layouts
     "pp2xFSDP2": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "data_parallel_shard_degree", "2",
                                  "--training.local_batch_size", "4")),
-    "pp2xTP2": (4, LAYERS4, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8)),
+    "pp2xTP2": (4, LAYERS4, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8_MB2)),
     "pp2xDDP2": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "data_parallel_replicate_degree", "2",
                                 P + "data_parallel_shard_degree", "1", "--training.local_batch_size", "4")),
     "pp2xFSDP2xTP2": (8, LAYERS4, pp(2, "ZBVZeroBubble", P + "data_parallel_shard_degree", "2",
@@ -71,7 +73,7 @@ CASES = {
     # the varlen attention backend: split I/W backward, V placement with recomputation, TP inside the stages
     "pp2-ZBV-varlen": (2, LAYERS4 + VARLEN, pp(2, "ZBVZeroBubble", *B8)),
     "pp2-DualPipeV-AC-varlen": (2, LAYERS4 + VARLEN, pp(2, "DualPipeV", *B8, "--activation_checkpoint.mode", "full")),
-    "pp2xTP2-varlen": (4, LAYERS4 + VARLEN, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8)),
+    "pp2xTP2-varlen": (4, LAYERS4 + VARLEN, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8_MB2)),
     # compositions of many techniques at once (docs/parallelism.md's composition table names each pair's case)
     "pp2xDDP2xCP2-Interleaved1F1B-AC-tied": (8, LAYERS4, pp(
         2, "Interleaved1F1B", TIED, P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1",
@@ -82,8 +84,8 @@ CASES = {
         "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
         "--activation_checkpoint.selective_ac_option", "op")),
     "pp2xTP2-csv-varlen": (4, LAYERS4 + VARLEN, [
-        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv}",
-        P + "tensor_parallel_degree", "2", *B8]),
+        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv4}",
+        P + "tensor_parallel_degree", "2", *B8_MB2]),
     "pp2xFSDP2xCP2-csv-AC-tied": (8, LAYERS4, [
         P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv4}", TIED,
         P + "data_parallel_shard_degree", "2", P + "context_parallel_degree", "2", "--training.local_batch_size", "4",
@@ -92,7 +94,7 @@ CASES = {
         2, "1F1B", P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
         "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
         "--activation_checkpoint.selective_ac_option", "op")),
-    "pp2xTP2-Interleaved1F1B-SAC-op": (4, LAYERS4, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8,
+    "pp2xTP2-Interleaved1F1B-SAC-op": (4, LAYERS4, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8_MB2,
                                                       "--activation_checkpoint.mode", "selective",
                                                       "--activation_checkpoint.selective_ac_option", "op")),
     "pp2xFSDP2-Interleaved1F1B-SAC-compile": (4, LAYERS4, pp(
@@ -102,16 +104,16 @@ CASES = {
         2, "ZBVZeroBubble", TIED, P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
         "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective")),
     "pp2xautoTP2-ZBV-AC": (4, LAYERS4, pp(2, "ZBVZeroBubble", P + "tensor_parallel_degree", "2",
-                                          P + "tensor_parallel_plan", "auto", *B8, "--activation_checkpoint.mode",
+                                          P + "tensor_parallel_plan", "auto", *B8_MB2, "--activation_checkpoint.mode",
                                           "full")),
     "pp2xautoTP2-csv-SAC": (4, LAYERS4, [
-        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv}",
-        P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", *B8,
+        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv4}",
+        P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", *B8_MB2,
         "--activation_checkpoint.mode", "selective"]),
     "pp2xautoTP2-Interleaved1F1B-SAC-op": (4, LAYERS4, pp(
-        2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", *B8,
+        2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", P + "tensor_parallel_plan", "auto", *B8_MB2,
         "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")),
-    "pp2xTP2-1F1B-AC": (4, LAYERS4, pp(2, "1F1B", P + "tensor_parallel_degree", "2", *B8,
+    "pp2xTP2-1F1B-AC": (4, LAYERS4, pp(2, "1F1B", P + "tensor_parallel_degree", "2", *B8_MB2,
                                       "--activation_checkpoint.mode", "full")),
     "pp2-1F1B-AC-compile-tied": (2, LAYERS4, pp(2, "1F1B", TIED, *B8, "--activation_checkpoint.mode", "full",
                                                "--compile.enable")),

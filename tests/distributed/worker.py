@@ -10,6 +10,7 @@ group whose rendezvous keys live under a prefix of their own.
 """
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -205,3 +206,9 @@ if __name__ == "__main__":
     except UserError as e:  # as train.py reports it
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    # Every result is on disk: end without the interpreter's teardown of torch's modules, ~1 s per rank (4 ranks
+    # on 2 cores: ~2.5 s per launch).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
