@@ -60,7 +60,10 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
     layout = ["--model.overrides.n_layers", "4", P + "pipeline_parallel_degree", "2", P + "data_parallel_shard_degree",
               "2", P + "pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "4",
               "--training.steps", "6", *CKPT]
-    straight = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
+    # Saved at step 3 too: the resumes below start from a copy of that checkpoint (a launch stopped at step 3 saves
+    # the same, as test_exact_resume_single_process checks).
+    straight = run_layout(4, layout + ["--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path / "straight")],
+                          tmp_path)
     # Its final checkpoint converts to Hugging Face in one process (issue 28): the weights are the 4-rank run's
     # final parameters, bit for bit.
     from trainer.convert import load_hf, run as convert
@@ -69,10 +72,10 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
     exported = load_hf(tmp_path / "hf", key="test", seq_len=32).model
     for name, param in exported.named_parameters():
         assert torch.equal(param, straight["tensors"][f"param/{name}"][0]), name
-    run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
     # A newer checkpoint with one bit flipped in a file that rank 3 verifies (files are shared out
     # in name order: .metadata, __0_0, __1_0, __2_0, ...): every rank must agree to fall back to step 3.
     folder = tmp_path / "r" / "checkpoint"
+    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-3", folder / "step-3")
     shutil.copytree(folder / "step-3", folder / "step-4")
     _flip_bit(folder / "step-4" / "__2_0.distcp")
     resumed = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
@@ -127,8 +130,9 @@ def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
     layout = ["--parallelism.context_parallel_degree", "2",
               "--training.local_batch_size", "8", "--training.steps", "6",
               *CKPT]
-    straight = run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
-    run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "r"), "--training.stop_at_step", "3"], tmp_path)
+    straight = run_layout(2, layout + ["--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path / "straight")],
+                          tmp_path)
+    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-3", tmp_path / "r" / "checkpoint" / "step-3")
     resumed = run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
     after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
     assert resumed["losses"] == straight["losses"][3:]
