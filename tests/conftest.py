@@ -69,6 +69,22 @@ def tiny_args(tiny_run_args):
     return TINY_MODEL + tiny_run_args
 
 
+def pytest_sessionfinish(session):
+    """Under pytest-xdist (-n): a worker hands its parity lines to the controller, which prints them."""
+    from tests.parity import REPORT
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["parity_report"] = list(REPORT)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    from tests.parity import REPORT
+
+    REPORT.extend(getattr(node, "workeroutput", {}).get("parity_report", []))
+
+
 def pytest_terminal_summary(terminalreporter):
     """The worst per-tensor relative difference of every parity case run (tests/parity.py)."""
     from tests.parity import REPORT

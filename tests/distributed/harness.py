@@ -152,3 +152,14 @@ class Launches:
         REPORT.append(f"{name:<34} ran in a launch of its own: its shared launch did not finish it "
                       f"(see {self.folder / f'batch_{nproc}.log'})")
         return run_layout(nproc, args, tmp_path, base=[])
+
+
+def seconds_after_fault(output: str, end: float) -> float:
+    """Seconds from the fault that tests/distributed/fault_worker.py injected (its line in ``output``) to ``end``
+    (``time.time()`` when the job had ended)."""
+    import re
+
+    found = re.search(r"fault_worker: fault at ([0-9.]+)", output)
+    assert found, output[-3000:]
+    return end - float(found[1])
+
