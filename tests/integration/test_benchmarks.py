@@ -1,8 +1,10 @@
 """The benchmark scripts are not run in CI (minutes each, figures for docs/performance.md), but each must still
-start: its imports (helpers of the trainer it calls by name) and its arguments. One `--help` per script."""
+start: its imports (helpers of the trainer it calls by name) and its arguments. One `--help` per script, all of them
+in one fresh interpreter (one import of torch, not one per script)."""
 
 import argparse
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -17,12 +19,41 @@ def test_every_benchmark_script_is_listed():
     assert len(SCRIPTS) >= 15  # the glob found the folder
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
-def test_a_benchmark_script_starts(script):
-    proc = subprocess.run([sys.executable, str(script), "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+# Runs each script given as `python SCRIPT --help` would (its folder first on sys.path, run as __main__); prints
+# {script: [exit code or traceback, what it printed]} as JSON.
+HELP_EACH = """
+import contextlib, io, json, os, runpy, sys, traceback
+results = {}
+for script in sys.argv[1:]:
+    printed, path = io.StringIO(), list(sys.path)
+    sys.argv, sys.path[0:0] = [script, "--help"], [os.path.dirname(script)]
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    except BaseException:
+        code = traceback.format_exc()
+    sys.path[:] = path
+    results[script] = [code, printed.getvalue()]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps():
+    proc = subprocess.run([sys.executable, "-c", HELP_EACH, *map(str, SCRIPTS)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage:" in proc.stdout
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
+def test_a_benchmark_script_starts(script, helps):
+    code, printed = helps[str(script)]
+    assert code == 0, code
+    assert "usage:" in printed
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.stem for s in SCRIPTS])
