@@ -255,7 +255,16 @@ def test_hugging_face_tokenizer_json(hf_tokenizer_file, tmp_path):
         HFTokenizer(bad)
 
 
-def test_prepare_command(tmp_path):
+def test_prepare_command(tmp_path, capsys):
+    """The command as a user runs it once (python -m trainer.prepare); the rest in this process, through the same
+    run(argv) that its __main__ calls."""
+    from trainer.prepare import run
+
+    def prepare(*argv) -> tuple[int, str, str]:
+        code = run(list(argv))
+        printed = capsys.readouterr()
+        return code, printed.out, printed.err
+
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     out = tmp_path / "prepared"
@@ -263,29 +272,24 @@ def test_prepare_command(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert f"{len(DOCS)} documents" in done.stdout and (out / "index.json").is_file()
-    again = subprocess.run(cmd, capture_output=True, text=True)
-    assert (again.returncode == 2 and again.stderr.count("\n") == 1
-            and "already holds a prepared dataset" in again.stderr)
-    missing = subprocess.run([sys.executable, "-m", "trainer.prepare", str(tmp_path / "x"), "--training.dataset_path",
-                              str(tmp_path / "nope.jsonl")], capture_output=True, text=True)
-    assert missing.returncode == 2 and "dataset_path" in missing.stderr and "Traceback" not in missing.stderr
+    code, _, err = prepare(str(out), "--training.dataset_path", str(data))
+    assert code == 2 and err.count("\n") == 1 and "already holds a prepared dataset" in err
+    code, _, err = prepare(str(tmp_path / "x"), "--training.dataset_path", str(tmp_path / "nope.jsonl"))
+    assert code == 2 and "dataset_path" in err
     # --verify: every token file against the sha256 recorded at preparation; a flipped bit that keeps
     # the size (which a run's start-up check cannot see) is named in one line.
-    verify = [sys.executable, "-m", "trainer.prepare", "--verify", str(out)]
-    ok = subprocess.run(verify, capture_output=True, text=True)
-    assert ok.returncode == 0 and "every sha256 as prepared" in ok.stdout, ok.stderr
+    code, printed, err = prepare("--verify", str(out))
+    assert code == 0 and "every sha256 as prepared" in printed, err
     tokens = out / "tokens-00000.bin"
     data = bytearray(tokens.read_bytes())
     data[len(data) // 2] ^= 1
     tokens.write_bytes(bytes(data))
-    bad = subprocess.run(verify, capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert ("--verify: shard file" in bad.stderr
-            and "tokens-00000.bin has other contents than when it was prepared" in bad.stderr)
+    code, _, err = prepare("--verify", str(out))
+    assert code == 2 and err.count("\n") == 1
+    assert "--verify: shard file" in err and "tokens-00000.bin has other contents than when it was prepared" in err
     # --verify without a folder: the usage line, exit 2 (issue 34)
-    usage = subprocess.run([sys.executable, "-m", "trainer.prepare", "--verify"], capture_output=True, text=True)
-    assert usage.returncode == 2 and usage.stderr.startswith("usage: python -m trainer.prepare")
-    assert "Traceback" not in usage.stderr
+    code, _, err = prepare("--verify")
+    assert code == 2 and err.startswith("usage: python -m trainer.prepare")
 
 
 def test_a_token_id_outside_the_vocabulary_names_the_shard_file(tok, tmp_path):
