@@ -47,6 +47,20 @@ SLEEPS = {"pre": (0.03, 0.0, 0.04), "blocks": [(0.05, 0.06, 0.03), (0.07, 0.04, 
 # time, and a median of three timed steps drops one slow step: each time must be its sleep, at most 10 ms less
 # (W = B - I: a slow I step takes from W) and less than the shortest sleep more
 STEPS, LESS, MORE = 3, 0.01, 0.03
+# A misplaced mark is wrong at every measurement; a machine busy elsewhere (the other test worker) can hold a sleeping
+# thread past its time in two steps of three. A timing is taken again, up to this many times in all, until it is
+# within its bounds.
+ATTEMPTS = 3
+
+
+def in_bounds_once(measure, misses) -> None:
+    """Measure until ``misses(result)`` (the out-of-bounds timings) is empty, at most ATTEMPTS times; fail with
+    the last misses."""
+    for _ in range(ATTEMPTS):
+        missed = misses(measure())
+        if not missed:
+            return
+    pytest.fail(f"out of bounds in {ATTEMPTS} measurements, the last: {missed}")
 
 
 class Model(nn.Module):
@@ -67,15 +81,18 @@ def test_each_part_is_timed_alone_in_the_forward_the_backward_and_the_input_grad
     must be each part's sleep (F: forward; B: both gradients; I: the input's gradient, none for the embedding,
     whose input is token ids; W: the weight's gradient), within the margins above."""
     model = Model()
-    measured = measure_costs.time_parts(model, list(model.layers.values()), torch.ones(2), None,
-                                        lambda out, labels: out.sum(), steps=STEPS, warmup=1)
     parts = [SLEEPS["pre"], *SLEEPS["blocks"], SLEEPS["post"]]
     expected = {"F": [f for f, _, _ in parts], "B": [i + w for _, i, w in parts],
                 "I": [0.0] + [i for _, i, _ in parts[1:]], "W": [w for _, _, w in parts]}
-    for kind in KINDS:
-        assert len(measured[kind]) == len(parts), kind
-        for got, want, label in zip(measured[kind], expected[kind], ("pre", "block 0", "block 1", "post")):
-            assert want - LESS <= got < want + MORE, (kind, label, got, want)
+
+    def misses(measured):
+        assert all(len(measured[kind]) == len(parts) for kind in KINDS), measured
+        return [(kind, label, got, want) for kind in KINDS
+                for got, want, label in zip(measured[kind], expected[kind], ("pre", "block 0", "block 1", "post"))
+                if not want - LESS <= got < want + MORE]
+
+    in_bounds_once(lambda: measure_costs.time_parts(model, list(model.layers.values()), torch.ones(2), None,
+                                                    lambda out, labels: out.sum(), steps=STEPS, warmup=1), misses)
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())  # hooks removed
 
 
@@ -86,10 +103,11 @@ def test_a_whole_microbatch_is_timed_without_marks():
     microbatch), more in all than the parts' shortest sleep."""
     scale = 3
     model = Model(scale)
-    whole = measure_costs.time_whole(model, torch.ones(2), None, lambda out, labels: out.sum(), steps=STEPS, warmup=1)
     parts = [SLEEPS["pre"], *SLEEPS["blocks"], SLEEPS["post"]]
     expected = scale * sum(f + i + w for f, i, w in parts)
-    assert expected <= whole < expected + scale * MORE, (whole, expected)
+    in_bounds_once(lambda: measure_costs.time_whole(model, torch.ones(2), None, lambda out, labels: out.sum(),
+                                                    steps=STEPS, warmup=1),
+                   lambda whole: [] if expected <= whole < expected + scale * MORE else [(whole, expected)])
 
 
 def test_the_fit_keeps_each_measured_part_and_prices_blocks_by_their_units():
