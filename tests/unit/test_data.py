@@ -66,6 +66,18 @@ def test_a_tokenizer_file_is_read_once_per_process_until_it_changes(tmp_path):
     assert changed is not first and (first.vocab_size, changed.vocab_size) == (258, 259)
 
 
+def test_a_damaged_bundled_tokenizer_is_one_line(tmp_path, monkeypatch):
+    import trainer.data.tokenizer as tokenizer_mod
+
+    copy = tmp_path / "cl100k_base.tiktoken"
+    data = bytearray(tokenizer_mod.default_tokenizer_path().read_bytes())
+    data[100] ^= 1
+    copy.write_bytes(bytes(data))
+    monkeypatch.setattr(tokenizer_mod, "default_tokenizer_path", lambda: copy)
+    with pytest.raises(UserError, match=r"the bundled tokenizer .*cl100k_base.tiktoken is damaged \(its sha256"):
+        Tokenizer()
+
+
 def test_custom_tokenizer_file_and_corrupt_file(tmp_path, tok):
     import base64
 

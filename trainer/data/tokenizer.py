@@ -269,13 +269,13 @@ def build_tokenizer(model_section: Model, model_vocab_size: int) -> Tokenizer | 
             f" vocab_size={model_vocab_size}; use at most {max_ranks}"
         )
     file = Path(path) if path else default_tokenizer_path()
-    stamp = (file.stat().st_size, file.stat().st_mtime_ns) if file.is_file() else None
+    stamp = (str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) if file.is_file() else None
     return _tiktoken(path, stamp, limit or max_ranks)
 
 
 @functools.lru_cache(maxsize=4)
-def _tiktoken(path: str, stamp: tuple[int, int] | None, max_ranks: int) -> Tokenizer:
-    """One tiktoken Tokenizer per file version (``stamp``: size and modification time) and vocabulary in a
-    process: reading and checking the BPE file takes ~0.3 s, paid again by every job that a process plans or
-    runs (the launcher's check, the test suite's shared launches) without the cache."""
+def _tiktoken(path: str, stamp: tuple[str, int, int] | None, max_ranks: int) -> Tokenizer:
+    """One tiktoken Tokenizer per file version (``stamp``: where it is, its size and modification time) and
+    vocabulary in a process: reading and checking the BPE file takes ~0.3 s, paid again by every job that a
+    process plans or runs (the launcher's check, the test suite's shared launches) without the cache."""
     return Tokenizer(path, max_ranks=max_ranks)
