@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,9 +158,6 @@ class Launches:
 def seconds_after_fault(output: str, end: float) -> float:
     """Seconds from the fault that tests/distributed/fault_worker.py injected (its line in ``output``) to ``end``
     (``time.time()`` when the job had ended)."""
-    import re
-
     found = re.search(r"fault_worker: fault at ([0-9.]+)", output)
     assert found, output[-3000:]
     return end - float(found[1])
-
