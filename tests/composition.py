@@ -176,7 +176,9 @@ def composition() -> tuple[list[str], dict[tuple[str, str], str]]:
 def _cell(a: Feature, b: Feature, runs: dict[str, set[str]], csv: Path) -> str:
     if a is not b and a.group and a.group == b.group:
         return "-"
-    proof = next((name for name, used in runs.items() if {a.name, b.name} <= used), None)
+    # the case with the fewest other features: the plainest proof (the first of them in the suite's order)
+    proofs = [name for name, used in runs.items() if {a.name, b.name} <= used]
+    proof = min(proofs, key=lambda name: len(runs[name]), default=None)
     if proof is not None:
         return f"yes: {proof}"
     refused = _refusal(a, b, csv)

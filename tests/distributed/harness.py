@@ -102,6 +102,11 @@ def selected(request, test_name: str) -> list[dict]:
             if item.module is request.module and item.originalname == test_name and hasattr(item, "callspec")]
 
 
+def runs(request, test_name: str) -> bool:
+    """Whether this session runs the (unparametrized) test ``test_name`` of the requesting module."""
+    return any(item.module is request.module and item.originalname == test_name for item in request.session.items)
+
+
 class Launches:
     """Parity cases that share torchrun launches: the cases with the same rank count run one after
     another in one launch (worker.py --batch), so torch's import, the rendezvous and the first
@@ -117,6 +122,10 @@ class Launches:
     def _paths(self, name: str) -> tuple[Path, Path]:
         index = list(self.cases).index(name)
         return self.folder / f"case{index}.json", self.folder / f"case{index}_dump"
+
+    def dump(self, name: str) -> Path:
+        """The dump folder of case ``name`` (a later case of the launch can resume from its checkpoints)."""
+        return self._paths(name)[1]
 
     def _launch(self, nproc: int) -> None:
         self.launched.add(nproc)

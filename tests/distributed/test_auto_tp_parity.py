@@ -7,7 +7,7 @@ gradient per step and value after the last step (tests/parity.py; fp32, CPU, glo
 
 import pytest
 
-from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layout, selected
+from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, runs, selected
 from tests.parity import assert_parity, record, reference_runs
 from trainer.config import load_config
 
@@ -17,6 +17,7 @@ GPT = ["--model.modules", "tiny_gpt", "--model.name", "tiny_gpt", "--model.flavo
 # PARITY's Llama overrides do not apply to the GPT family: keep only the run settings.
 FAMILIES = {"llama": PARITY + ["--model.overrides.n_layers", "4"],
             "gpt": PARITY_RUN + GPT + ["--model.overrides.n_layers", "4"]}
+FUSED = PARITY_RUN + GPT[:-1] + ["tiny_fused", "--model.overrides.n_layers", "4"]  # q, k and v in one projection
 LAYOUTS = {
     "TP2": (2, AUTO + ["--training.local_batch_size", "8"]),
     "FSDP2xTP2": (4, AUTO + [P + "data_parallel_shard_degree", "2", "--training.local_batch_size", "4"]),
@@ -30,12 +31,11 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_auto_tp_with_replicated_fused_attention(references, tmp_path):
+def test_auto_tp_with_replicated_fused_attention(launches, tmp_path):
     """The fused q/k/v projection stays replicated, the MLP is split: still the single-process numbers."""
-    fused = PARITY_RUN + GPT[:-1] + ["tiny_fused", "--model.overrides.n_layers", "4"]
-    reference, tensors = record(load_config(overrides=fused + ["--training.local_batch_size", "8", "--job.dump_folder",
+    reference, tensors = record(load_config(overrides=FUSED + ["--training.local_batch_size", "8", "--job.dump_folder",
                                                                str(tmp_path / "ref")]))
-    result = run_layout(2, fused + LAYOUTS["TP2"][1], tmp_path, base=[])
+    result = launches.result("gpt fused-TP2", tmp_path)
     assert_parity("auto-TP2 fused qkv (gpt)", result, reference, tensors)
 
 
@@ -43,8 +43,11 @@ def test_auto_tp_with_replicated_fused_attention(references, tmp_path):
 def launches(request, tmp_path_factory):
     """The selected (family, layout) cases, one shared launch per rank count."""
     cases = [(p["family"], p["layout"]) for p in selected(request, "test_auto_tp_matches_single_process")]
-    return Launches(tmp_path_factory.mktemp("launches"),
-                    {f"{f}-{lay}": (LAYOUTS[lay][0], FAMILIES[f] + LAYOUTS[lay][1]) for f, lay in cases})
+    launches = Launches(tmp_path_factory.mktemp("launches"),
+                        {f"{f}-{lay}": (LAYOUTS[lay][0], FAMILIES[f] + LAYOUTS[lay][1]) for f, lay in cases})
+    if runs(request, "test_auto_tp_with_replicated_fused_attention"):
+        launches.cases["gpt fused-TP2"] = (2, FUSED + LAYOUTS["TP2"][1])
+    return launches
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ and ties go to the lower expert index (a stable sort).
 import pytest
 
 from tests.conftest import load_plan
-from tests.distributed.harness import VARLEN, Launches, P, PARITY, run_layout, selected
+from tests.distributed.harness import VARLEN, Launches, P, PARITY, runs, selected
 from tests.distributed.test_pp_parity import check_activation_estimate
 from tests.parity import REPORT, assert_parity, compare, record
 from trainer.config import load_config
@@ -28,6 +28,7 @@ BASE = PARITY[10:] + MOE  # PARITY[:10] is the tiny Llama's shape
 EP2 = [P + "expert_parallel_degree", "2"]
 TIED = "--model.tie_embeddings"
 LAYERS4 = [M + "n_layers", "4"]
+SAVE = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
 
 
 def pp(schedule: str) -> list[str]:
@@ -102,7 +103,10 @@ def launches(request, tmp_path_factory):
     """The selected cases, one shared launch per rank count."""
     names = [p["name"] for p in selected(request, "test_expert_parallel_layout_matches_single_process")]
     folder = tmp_path_factory.mktemp("launches")
-    return Launches(folder, {n: (CASES[n][0], BASE + case_overrides(n, folder)) for n in names})
+    launches = Launches(folder, {n: (CASES[n][0], BASE + case_overrides(n, folder)) for n in names})
+    if runs(request, "test_an_expert_parallel_checkpoint_resumes_on_one_process"):
+        launches.cases["EP2 saving"] = (2, BASE + EP2 + SAVE + ["--training.local_batch_size", "4"])
+    return launches
 
 
 @pytest.mark.slow
@@ -120,14 +124,13 @@ def test_expert_parallel_layout_matches_single_process(name, references, launche
 
 
 @pytest.mark.slow
-def test_an_expert_parallel_checkpoint_resumes_on_one_process(tmp_path):
+def test_an_expert_parallel_checkpoint_resumes_on_one_process(launches, tmp_path):
     """EP2 x FSDP (2 ranks) saves at step 3 of 6; one process resumes it (DCP reshards the experts, the
     balancing biases come back) and reproduces steps 4-6 of the EP2 run, every tensor."""
-    ckpt = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
-    straight = run_layout(2, EP2 + ckpt + ["--training.local_batch_size", "4"], tmp_path, base=BASE)
-    single, tensors = record(load_config(overrides=BASE + ckpt + [
+    straight = launches.result("EP2 saving", tmp_path)
+    single, tensors = record(load_config(overrides=BASE + SAVE + [
         "--training.local_batch_size", "8", "--checkpoint.load_step", "3",
-        "--job.dump_folder", str(tmp_path / "dump")]))
+        "--checkpoint.folder", str(straight["dump"] / "checkpoint"), "--job.dump_folder", str(tmp_path / "dump")]))
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
     after = {k: v for k, v in straight["tensors"].items()
              if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/", "buffer/"))}

@@ -94,6 +94,12 @@ CASES = {
         2, "1F1B", P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
         "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
         "--activation_checkpoint.selective_ac_option", "op")),
+    # the tracer front-end under HSDP (its other cases are in test_tracer_parity.py; this one shares the 8-rank launch)
+    "pp2xHSDP2x2-csv-SAC-op-tracer": (8, LAYERS4, [
+        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv2}",
+        P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
+        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
+        "--activation_checkpoint.selective_ac_option", "op", P + "pipeline_parallel_frontend", "tracer"]),
     "pp2xTP2-Interleaved1F1B-SAC-op": (4, LAYERS4, pp(2, "Interleaved1F1B", P + "tensor_parallel_degree", "2", *B8_MB2,
                                                       "--activation_checkpoint.mode", "selective",
                                                       "--activation_checkpoint.selective_ac_option", "op")),

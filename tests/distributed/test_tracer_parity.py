@@ -10,12 +10,10 @@ evaluation loss, every parameter's gradient per step and value after the last st
 whole-model name; relative 1e-5, fp32, CPU, gloo.
 """
 
-import shutil
-
 import pytest
 import torch
 
-from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layout, selected
+from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layout, runs, selected
 from tests.parity import REPORT, assert_parity, compare, reference_runs
 
 TRACER = [P + "pipeline_parallel_frontend", "tracer"]
@@ -47,13 +45,8 @@ CASES = {
     "llama-pp2xDDP2-1F1B-SAC": ("llama", 4, pp2("1F1B", P + "data_parallel_replicate_degree", "2",
                                                 P + "data_parallel_shard_degree", "1", "--training.local_batch_size",
                                                 "4", "--activation_checkpoint.mode", "selective")),
-    "llama-pp2xHSDP2x2-csv-SAC-op": ("llama", 8, [
-        P + "pipeline_parallel_degree", "2", P + "pipeline_parallel_schedule_csv", "{csv2}",
-        P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "2",
-        "--training.local_batch_size", "2", "--activation_checkpoint.mode", "selective",
-        "--activation_checkpoint.selective_ac_option", "op"]),
 }
-RESULTS: dict[str, dict] = {}  # tracer results kept for the traced-vs-manual comparison
+# The tracer under HSDP (8 ranks) is a case of test_pp_parity's shared 8-rank launch: pp2xHSDP2x2-csv-SAC-op-tracer.
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +63,28 @@ def case_args(name: str, folder) -> list[str]:
     return FAMILIES[family] + overrides + TRACER
 
 
+CROSS = ["--training.steps", "9", "--checkpoint.enable", "--checkpoint.interval", "3",
+         "--checkpoint.no-last_save_model_only"]
+
+
 @pytest.fixture(scope="module")
 def launches(request, tmp_path_factory):
-    """The selected cases, one shared launch per rank count."""
+    """The selected cases, and the runs of the two tests after them, one shared launch per rank count."""
     names = [p["name"] for p in selected(request, "test_traced_pipeline_matches_single_process")]
     folder = tmp_path_factory.mktemp("launches")
-    return Launches(folder, {n: (CASES[n][1], case_args(n, folder)) for n in names})
+    launches = Launches(folder, {n: (CASES[n][1], case_args(n, folder)) for n in names})
+    if runs(request, "test_traced_and_manual_splits_give_the_same_parameters"):
+        launches.cases.setdefault("llama-1F1B-mb2", (2, case_args("llama-1F1B-mb2", folder)))
+        launches.cases["manual llama-1F1B-mb2"] = (2, FAMILIES["llama"] + CASES["llama-1F1B-mb2"][2])
+    if runs(request, "test_checkpoints_cross_between_the_front_ends"):
+        # The manual run resumes from the traced run's step 3 and saves steps 6 and 9 in its folder, replacing the
+        # traced run's: the traced resume that follows starts from the manual run's step 6.
+        llama = FAMILIES["llama"] + pp2("1F1B", *B8) + CROSS
+        launches.cases["cross straight"] = (2, llama + TRACER)
+        saves = ["--checkpoint.folder", str(launches.dump("cross straight") / "checkpoint")]
+        launches.cases["cross manual from 3"] = (2, llama + saves + ["--checkpoint.load_step", "3"])
+        launches.cases["cross traced from 6"] = (2, llama + TRACER + saves + ["--checkpoint.load_step", "6"])
+    return launches
 
 
 @pytest.mark.slow
@@ -83,7 +92,6 @@ def launches(request, tmp_path_factory):
 def test_traced_pipeline_matches_single_process(name, references, launches, tmp_path):
     family, nproc, overrides = CASES[name]
     result = launches.result(name, tmp_path)
-    RESULTS[name] = result
     reference, tensors = references(family)
     assert_parity(f"tracer {name}", result, reference, tensors)
     assert result["losses"][-1] < result["losses"][0]
@@ -100,11 +108,10 @@ def test_traced_stages_that_lose_the_positions_are_caught(references, tmp_path):
 
 
 @pytest.mark.slow
-def test_traced_and_manual_splits_give_the_same_parameters(tmp_path):
+def test_traced_and_manual_splits_give_the_same_parameters(launches, tmp_path):
     """Same split points, same schedule: the two front-ends run the same operations."""
-    traced = RESULTS.get("llama-1F1B-mb2") or run_layout(2, FAMILIES["llama"] + pp2("1F1B", *B8, *MB2) + TRACER,
-                                                          tmp_path / "t", base=[])
-    manual = run_layout(2, FAMILIES["llama"] + pp2("1F1B", *B8, *MB2), tmp_path / "m", base=[])
+    traced = launches.result("llama-1F1B-mb2", tmp_path)
+    manual = launches.result("manual llama-1F1B-mb2", tmp_path)
     params = [k for k in manual["tensors"] if k.startswith("param/")]
     assert params and set(params) == {k for k in traced["tensors"] if k.startswith("param/")}
     worst = 0.0
@@ -116,21 +123,12 @@ def test_traced_and_manual_splits_give_the_same_parameters(tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoints_cross_between_the_front_ends(tmp_path):
+def test_checkpoints_cross_between_the_front_ends(launches, tmp_path):
     """A traced run's step-3 checkpoint resumes in a manual run (steps 4-9), whose step-6 checkpoint
     resumes in a traced run (steps 7-9); both reproduce the straight traced run, every tensor."""
-    ckpt = ["--training.steps", "9", "--checkpoint.enable", "--checkpoint.interval", "3",
-            "--checkpoint.no-last_save_model_only"]
-    llama = FAMILIES["llama"] + pp2("1F1B", *B8) + ckpt
-    straight = run_layout(2, llama + TRACER, tmp_path / "a", base=[])
-
-    def resume(step: int, src, dst, frontend: list[str]) -> dict:
-        (dst / "dump" / "checkpoint").mkdir(parents=True)
-        shutil.copytree(src / "dump" / "checkpoint" / f"step-{step}", dst / "dump" / "checkpoint" / f"step-{step}")
-        return run_layout(2, llama + frontend + ["--checkpoint.load_step", str(step)], dst, base=[])
-
-    manual = resume(3, tmp_path / "a", tmp_path / "b", [])  # also saves step 6, for the next resume
-    traced = resume(6, tmp_path / "b", tmp_path / "c", TRACER)
+    straight = launches.result("cross straight", tmp_path)
+    manual = launches.result("cross manual from 3", tmp_path)
+    traced = launches.result("cross traced from 6", tmp_path)
     for name, result, first in [("tracer ckpt -> manual", manual, 4), ("manual ckpt -> tracer", traced, 7)]:
         assert result["losses"] == pytest.approx(straight["losses"][first - 1:], rel=1e-5), name
         # the resumed run numbers its steps from the checkpoint, so its keys match the straight run's

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import trainer.checkpoint as ckpt
-from tests.distributed.harness import ENV, PARITY, REPO, run_layout
+from tests.distributed.harness import ENV, P, PARITY, REPO, Launches, run_layout, runs
 from tests.parity import REPORT, compare, record
 from trainer.checkpoint import complete_steps
 from trainer.config import load_config
@@ -21,6 +21,11 @@ from trainer.errors import UserError
 from trainer.train import main
 
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "100"]
+
+
+def after_step_3(result: dict) -> dict:
+    """Steps 4-6 of a straight run of 6 steps, every gradient and the final parameters: what a resume must reproduce."""
+    return {k: v for k, v in result["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
 
 
 def train(args, dump):
@@ -56,7 +61,6 @@ def test_exact_resume_single_process(tmp_path, async_mode, caplog):
 
 @pytest.mark.slow
 def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
-    P = "--parallelism."
     layout = ["--model.overrides.n_layers", "4", P + "pipeline_parallel_degree", "2", P + "data_parallel_shard_degree",
               "2", P + "pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "4",
               "--training.steps", "6", *CKPT]
@@ -81,8 +85,7 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
     resumed = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
     assert (folder / "step-4.damaged").is_dir() and complete_steps(folder) == [3, 6]
     assert resumed["losses"] == straight["losses"][3:] and resumed["grad_norms"] == straight["grad_norms"][3:]
-    # Steps 4-6 of the straight run, every gradient and the final parameters: what a resume must reproduce.
-    after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
+    after = after_step_3(straight)
     same_layout = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
     assert same_layout.ok, same_layout.failures[:10]  # bit for bit
     # The step-3 checkpoint of PP2 x FSDP2 (4 ranks) resumed by one process: DCP reshards.
@@ -101,48 +104,61 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
     assert other_layout.ok, other_layout.failures[:10]
 
 
+DDP = [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1"]
+RESUMES = {  # test -> its straight run (saves at step 3 of 6) and the runs that resume from that step-3 checkpoint
+    "test_exact_resume_under_plain_ddp_and_on_fsdp": (
+        ["--training.local_batch_size", "4", "--training.steps", "6", *CKPT, "--checkpoint.interval", "3"],
+        {"ddp": DDP, "fsdp": [P + "data_parallel_shard_degree", "2"]}, DDP),
+    "test_exact_resume_under_cp2_and_on_one_process": (
+        ["--training.local_batch_size", "8", "--training.steps", "6", *CKPT, "--checkpoint.interval", "3"],
+        {"cp2": [P + "context_parallel_degree", "2"]}, [P + "context_parallel_degree", "2"]),
+}
+STEP3 = ["--checkpoint.load_step", "3"]
+
+
+@pytest.fixture(scope="module")
+def resumes(request, tmp_path_factory):
+    """The 2-rank runs of the selected tests below in one shared launch: each test's straight run, then the runs
+    that resume from its step-3 checkpoint (in the straight run's folder, where they also save)."""
+    launches = Launches(tmp_path_factory.mktemp("resumes"), {})
+    for test, (common, resumed, straight) in RESUMES.items():
+        if runs(request, test):
+            launches.cases[f"{test}-straight"] = (2, [*PARITY, *straight, *common])
+            step3 = ["--checkpoint.folder", str(launches.dump(f"{test}-straight") / "checkpoint"), *STEP3]
+            for name, layout in resumed.items():
+                launches.cases[f"{test}-{name}"] = (2, [*PARITY, *layout, *common, *step3])
+    return launches
+
+
 @pytest.mark.slow
-def test_exact_resume_under_plain_ddp_and_on_fsdp(tmp_path):
+def test_exact_resume_under_plain_ddp_and_on_fsdp(resumes, tmp_path):
     """Plain DDP runs on torch's DDP reducer (plain tensors, not FSDP's DTensors): its checkpoint resumes bit for bit
     on DDP and, resharded by DCP, on FSDP2."""
-    P = "--parallelism."
-    ddp = [P + "data_parallel_replicate_degree", "2", P + "data_parallel_shard_degree", "1"]
-    common = ["--training.local_batch_size", "4", "--training.steps", "6", "--checkpoint.enable",
-              "--checkpoint.interval", "3"]
-    straight = run_layout(2, ddp + common + ["--job.dump_folder", str(tmp_path / "straight")], tmp_path)
-    after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
-    for name, layout in (("ddp", ddp), ("fsdp", [P + "data_parallel_shard_degree", "2"])):
-        shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-3", tmp_path / name / "checkpoint" / "step-3")
-        resumed = run_layout(2, layout + common + ["--job.dump_folder", str(tmp_path / name)], tmp_path)
-        if name == "ddp":
-            assert resumed["losses"] == straight["losses"][3:]
-            same = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
-            assert same.ok, same.failures[:10]  # bit for bit
-        else:
-            assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-5)
-            other = compare(resumed["tensors"], after)
-            REPORT.append(f"{'resume DDP2 -> FSDP2':<34} worst {other.worst_rel:.2e}  {other.worst_key}")
-            assert other.ok, other.failures[:10]
+    test = "test_exact_resume_under_plain_ddp_and_on_fsdp"
+    straight = resumes.result(f"{test}-straight", tmp_path)
+    resumed = resumes.result(f"{test}-ddp", tmp_path)
+    assert resumed["losses"] == straight["losses"][3:]
+    same = compare(resumed["tensors"], after_step_3(straight), rtol=0.0, floor=0.0)
+    assert same.ok, same.failures[:10]  # bit for bit
+    resumed = resumes.result(f"{test}-fsdp", tmp_path)
+    assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-5)
+    other = compare(resumed["tensors"], after_step_3(straight))
+    REPORT.append(f"{'resume DDP2 -> FSDP2':<34} worst {other.worst_rel:.2e}  {other.worst_key}")
+    assert other.ok, other.failures[:10]
 
 
 @pytest.mark.slow
-def test_exact_resume_under_cp2_and_on_one_process(tmp_path):
-    layout = ["--parallelism.context_parallel_degree", "2",
-              "--training.local_batch_size", "8", "--training.steps", "6",
-              *CKPT]
-    straight = run_layout(2, layout + ["--checkpoint.interval", "3", "--job.dump_folder", str(tmp_path / "straight")],
-                          tmp_path)
-    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-3", tmp_path / "r" / "checkpoint" / "step-3")
-    resumed = run_layout(2, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
-    after = {k: v for k, v in straight["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
+def test_exact_resume_under_cp2_and_on_one_process(resumes, tmp_path):
+    test = "test_exact_resume_under_cp2_and_on_one_process"
+    straight = resumes.result(f"{test}-straight", tmp_path)
+    resumed = resumes.result(f"{test}-cp2", tmp_path)
     assert resumed["losses"] == straight["losses"][3:]
-    same_layout = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
+    same_layout = compare(resumed["tensors"], after_step_3(straight), rtol=0.0, floor=0.0)
     assert same_layout.ok, same_layout.failures[:10]  # bit for bit
-    single, tensors = record(load_config(overrides=PARITY + [
-        "--training.local_batch_size", "8", "--training.steps", "6", *CKPT,
-        "--checkpoint.load_step", "3", "--job.dump_folder", str(tmp_path / "r")]))
+    single, tensors = record(load_config(overrides=PARITY + RESUMES[test][0] + STEP3 + [
+        "--checkpoint.folder", str(straight["dump"] / "checkpoint"), "--job.dump_folder", str(tmp_path / "r")]))
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
-    other_layout = compare(tensors, after)
+    other_layout = compare(tensors, after_step_3(straight))
     REPORT.append(f"{'resume CP2 -> 1 process':<34} worst {other_layout.worst_rel:.2e}  {other_layout.worst_key}")
     assert other_layout.ok, other_layout.failures[:10]
 
