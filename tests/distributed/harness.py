@@ -115,7 +115,8 @@ class Launches:
     failure is reported against the case that causes it, with that launch's output."""
 
     def __init__(self, folder: Path, cases: dict[str, tuple[int, list[str]]]):
-        """``cases``: name -> (ranks, every argument after the worker's output file, ``base`` included)."""
+        """``cases``: name -> (ranks, every argument after the worker's output file, ``base`` included) or (ranks,
+        arguments, fault): a deliberate defect of worker.py for that case alone (put such cases last)."""
         self.folder, self.cases = folder, cases
         self.launched: set[int] = set()
 
@@ -130,10 +131,11 @@ class Launches:
     def _launch(self, nproc: int) -> None:
         self.launched.add(nproc)
         batch = []
-        for name, (n, args) in self.cases.items():
+        for name, (n, args, *fault) in self.cases.items():
             if n == nproc:
                 out, dump = self._paths(name)
-                batch.append({"out": str(out), "args": [*args, "--job.dump_folder", str(dump)]})
+                args = [*args, "--job.dump_folder", str(dump)]
+                batch.append({"out": str(out), "args": args, "fault": "".join(fault)})
         cases = self.folder / f"batch_{nproc}.json"
         cases.write_text(json.dumps(batch))
         with open(self.folder / f"batch_{nproc}.log", "w") as out:
@@ -151,7 +153,7 @@ class Launches:
                 out.write("\nshared launch timed out\n")
 
     def result(self, name: str, tmp_path: Path) -> dict:
-        nproc, args = self.cases[name]
+        nproc, args, *fault = self.cases[name]
         if nproc not in self.launched:
             self._launch(nproc)
         out, dump = self._paths(name)
@@ -161,7 +163,7 @@ class Launches:
         # that leaks from one case to the next.
         REPORT.append(f"{name:<34} ran in a launch of its own: its shared launch did not finish it "
                       f"(see {self.folder / f'batch_{nproc}.log'})")
-        return run_layout(nproc, args, tmp_path, base=[])
+        return run_layout(nproc, args, tmp_path, base=[], fault="".join(fault))
 
 
 def seconds_after_fault(output: str, end: float) -> float:

@@ -114,7 +114,11 @@ def reference_extra(overrides: list[str]) -> tuple[str, ...]:
 def launches(request, tmp_path_factory):
     """The selected layouts, one shared launch per rank count."""
     names = [p["name"] for p in selected(request, "test_layout_matches_single_process")]
-    return Launches(tmp_path_factory.mktemp("launches"), {n: (LAYOUTS[n][0], PARITY + LAYOUTS[n][1]) for n in names})
+    launches = Launches(tmp_path_factory.mktemp("launches"),
+                        {n: (LAYOUTS[n][0], PARITY + LAYOUTS[n][1]) for n in names})
+    for p in selected(request, "test_a_context_parallel_defect_is_caught"):  # last: each undone after its case
+        launches.cases[f"CP2 {p['fault']}"] = (2, PARITY + LAYOUTS["CP2"][1], p["fault"])
+    return launches
 
 
 @pytest.mark.slow
@@ -132,13 +136,13 @@ def test_layout_matches_single_process(name, references, launches, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["cp_rope_offset", "cp_mask_ignores_documents", "cp_positions_do_not_restart"])
-def test_a_context_parallel_defect_is_caught(fault, references, tmp_path):
+def test_a_context_parallel_defect_is_caught(fault, references, launches, tmp_path):
     """CP2 under the default block-causal attention, broken on purpose, must fail the per-tensor comparison:
     rank 1 rotates its tokens one position early (the mask stays right); the gathered attention masks by
     position only (a query sees the end of the previous document); every rank rotates (and masks) its tokens by
     their index in the whole window instead of their position within their document."""
     reference, tensors = references(reference_extra(LAYOUTS["CP2"][1]))
-    result = run_layout(2, LAYOUTS["CP2"][1], tmp_path, fault=fault)
+    result = launches.result(f"CP2 {fault}", tmp_path)
     cmp = compare(result["tensors"], tensors)
     assert not cmp.ok and any("attention.wq.weight" in f for f in cmp.failures), cmp.failures[:3]
 

@@ -13,7 +13,7 @@ whole-model name; relative 1e-5, fp32, CPU, gloo.
 import pytest
 import torch
 
-from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, run_layout, runs, selected
+from tests.distributed.harness import Launches, P, PARITY, PARITY_RUN, runs, selected
 from tests.parity import REPORT, assert_parity, compare, reference_runs
 
 TRACER = [P + "pipeline_parallel_frontend", "tracer"]
@@ -84,6 +84,9 @@ def launches(request, tmp_path_factory):
         saves = ["--checkpoint.folder", str(launches.dump("cross straight") / "checkpoint")]
         launches.cases["cross manual from 3"] = (2, llama + saves + ["--checkpoint.load_step", "3"])
         launches.cases["cross traced from 6"] = (2, llama + TRACER + saves + ["--checkpoint.load_step", "6"])
+    if runs(request, "test_traced_stages_that_lose_the_positions_are_caught"):  # last: undone after its case
+        launches.cases["lost positions"] = (2, FAMILIES["llama"] + pp2("ZBVZeroBubble", *B8) + TRACER,
+                                            "tracer_drops_positions")
     return launches
 
 
@@ -98,12 +101,11 @@ def test_traced_pipeline_matches_single_process(name, references, launches, tmp_
 
 
 @pytest.mark.slow
-def test_traced_stages_that_lose_the_positions_are_caught(references, tmp_path):
+def test_traced_stages_that_lose_the_positions_are_caught(references, launches, tmp_path):
     """Broken on purpose: the traced blocks attend across documents (their positions replaced by the window's):
     the per-tensor comparison with the block-causal single process must fail."""
     reference, tensors = references("llama")
-    result = run_layout(2, FAMILIES["llama"] + pp2("ZBVZeroBubble", *B8) + TRACER, tmp_path, base=[],
-                        fault="tracer_drops_positions")
+    result = launches.result("lost positions", tmp_path)
     assert not compare(result["tensors"], tensors).ok
 
 

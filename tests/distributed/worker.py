@@ -25,17 +25,26 @@ from trainer.errors import UserError  # noqa: E402
 from trainer.train import main  # noqa: E402
 
 
-def inject_fault(name: str) -> None:
-    """Deliberate defects that the parity instrument must catch (tests of the tests)."""
-    if name == "cp_rope_offset":
-        import trainer.model_parts as model_parts
+def inject_fault(name: str):
+    """Deliberate defects that the parity instrument must catch (tests of the tests). Returns what undoes the
+    defect, so that the cases after it in a shared launch run without it."""
+    import torch.nn.functional as F
 
+    import trainer.models.attention as attention
+    import trainer.models.decoder.model as llama
+    import trainer.model_parts as model_parts
+
+    patched = []
+
+    def patch(owner, attr: str, value) -> None:
+        patched.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, value)
+
+    if name == "cp_rope_offset":
         real = model_parts.ModelParts.shard_inputs
 
         def off_by_one(self, kwargs):
             # every cp rank but the first rotates its tokens one position early (the mask stays right)
-            import trainer.models.decoder.model as llama
-
             sharded = real(self, kwargs)
             if self.techniques and int(os.environ.get("RANK", "0")) % 2 == 1:
                 real_doc = llama.document_attention
@@ -45,15 +54,11 @@ def inject_fault(name: str) -> None:
                     return (real_doc((positions - 1).clamp(min=0), table, hidden, **kw)[0] if positions is not None
                             else rope), mask
 
-                llama.document_attention = shifted
+                patch(llama, "document_attention", shifted)
             return sharded
 
-        model_parts.ModelParts.shard_inputs = off_by_one
+        patch(model_parts.ModelParts, "shard_inputs", off_by_one)
     elif name == "cp_mask_ignores_documents":  # the gathered attention masks by position only
-        import torch
-
-        import trainer.models.attention as attention
-
         real = attention.block_causal_mask
 
         def by_position(positions, dtype, window=None):
@@ -61,15 +66,9 @@ def inject_fault(name: str) -> None:
             far = torch.full_like(positions, 1 << 30)
             return real(far if attention._LAYOUTS else positions, dtype, window)
 
-        attention.block_causal_mask = by_position
-        import trainer.models.decoder.model as llama
-
-        llama.block_causal_mask = by_position
+        patch(attention, "block_causal_mask", by_position)
+        patch(llama, "block_causal_mask", by_position)
     elif name == "cp_positions_do_not_restart":  # each rank's tokens rotated by their index in the whole window
-        import torch
-
-        import trainer.model_parts as model_parts
-
         real = model_parts.ModelParts.shard_inputs
 
         def global_index(self, kwargs):
@@ -77,12 +76,8 @@ def inject_fault(name: str) -> None:
                      for inputs in kwargs]
             return real(self, whole)
 
-        model_parts.ModelParts.shard_inputs = global_index
+        patch(model_parts.ModelParts, "shard_inputs", global_index)
     elif name == "tracer_drops_positions":  # traced blocks attend causally across documents (positions lost)
-        import torch
-
-        import trainer.models.decoder.model as llama
-
         real = llama.document_attention
 
         def whole_window(positions, table, hidden, **kw):
@@ -90,14 +85,9 @@ def inject_fault(name: str) -> None:
                 positions = torch.arange(positions.shape[1]).expand(positions.shape)
             return real(positions, table, hidden, **kw)
 
-        llama.document_attention = whole_window
+        patch(llama, "document_attention", whole_window)
     elif name == "attention_without_sdpa":
         import types
-
-        import torch
-        import torch.nn.functional as F
-
-        import trainer.models.decoder.model as llama
 
         def by_hand(q, k, v, is_causal=False, enable_gqa=False, **_):  # softmax(q k^T / sqrt(d)) v, causal
             if enable_gqa:
@@ -106,39 +96,47 @@ def inject_fault(name: str) -> None:
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
             return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
-        llama.F = types.SimpleNamespace(**{**vars(F), "scaled_dot_product_attention": by_hand})
+        patch(llama, "F", types.SimpleNamespace(**{**vars(F), "scaled_dot_product_attention": by_hand}))
     elif name == "other_data_on_rank1":  # as if rank 1's node held other files at the same path
         if os.environ.get("RANK") == "1":
             import trainer.data.loader as loader
 
-            loader.WindowLoader.fingerprint = property(lambda self: "shards=something-else")
+            patch(loader.WindowLoader, "fingerprint", property(lambda self: "shards=something-else"))
     elif name == "other_config_on_rank1":  # as if rank 1's node held another config file
         if os.environ.get("RANK") == "1":
-            real = globals()["load_config"]
-            globals()["load_config"] = lambda overrides: real(overrides=[*overrides, "--training.steps", "5"])
+            real = load_config
+            patch(sys.modules[__name__], "load_config",
+                  lambda overrides: real(overrides=[*overrides, "--training.steps", "5"]))
     elif name in ("other_planner_on_rank1", "smaller_device_on_rank1"):
         # as if rank 1 ran another planner (or, the second, searched within a smaller device's memory): it keeps the
         # second-best split
         if os.environ.get("RANK") == "1":
+            import dataclasses
+
+            import trainer.pipeline.split as split
+
             if name == "smaller_device_on_rank1":
                 import trainer.pipeline.cost as cost
                 import trainer.plan
 
                 real_memory = cost.device_memory_bytes
-                trainer.plan.device_memory_bytes = cost.device_memory_bytes = lambda: real_memory() // 2
-            import dataclasses
-
-            import trainer.pipeline.split as split
-
+                patch(trainer.plan, "device_memory_bytes", lambda: real_memory() // 2)
+                patch(cost, "device_memory_bytes", lambda: real_memory() // 2)
             real = split.search_splits
 
             def second_best(*args, **kwargs):
                 search = real(*args, **kwargs)
                 return dataclasses.replace(search, best=search.best[1:] + search.best[:1])
 
-            split.search_splits = second_best
+            patch(split, "search_splits", second_best)
     elif name:
         raise ValueError(f"unknown PARITY_FAULT {name!r}")
+
+    def undo() -> None:
+        for owner, attr, value in reversed(patched):
+            setattr(owner, attr, value)
+
+    return undo
 
 
 def run_case(out: str, overrides: list[str]) -> None:
@@ -199,7 +197,9 @@ if __name__ == "__main__":
         if sys.argv[1] == "--batch":
             for i, case in enumerate(json.loads(Path(sys.argv[2]).read_text())):
                 in_namespace(f"case{i}")
+                undo = inject_fault(case.get("fault", ""))
                 run_case(case["out"], case["args"])
+                undo()
                 forget_meshes()
         else:
             run_case(sys.argv[1], sys.argv[2:])
