@@ -28,6 +28,13 @@ def after_step_3(result: dict) -> dict:
     return {k: v for k, v in result["tensors"].items() if k.startswith(("grad/4/", "grad/5/", "grad/6/", "param/"))}
 
 
+def assert_resumes_bit_for_bit(resumed: dict, straight: dict) -> None:
+    """A resume from step 3 on the straight run's layout: its losses and every tensor of steps 4-6, exactly."""
+    assert resumed["losses"] == straight["losses"][3:]
+    same = compare(resumed["tensors"], after_step_3(straight), rtol=0.0, floor=0.0)
+    assert same.ok, same.failures[:10]
+
+
 def train(args, dump):
     return main(load_config(overrides=PARITY + args + ["--job.dump_folder", str(dump)]))
 
@@ -84,10 +91,8 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
     _flip_bit(folder / "step-4" / "__2_0.distcp")
     resumed = run_layout(4, layout + ["--job.dump_folder", str(tmp_path / "r")], tmp_path)
     assert (folder / "step-4.damaged").is_dir() and complete_steps(folder) == [3, 6]
-    assert resumed["losses"] == straight["losses"][3:] and resumed["grad_norms"] == straight["grad_norms"][3:]
-    after = after_step_3(straight)
-    same_layout = compare(resumed["tensors"], after, rtol=0.0, floor=0.0)
-    assert same_layout.ok, same_layout.failures[:10]  # bit for bit
+    assert resumed["grad_norms"] == straight["grad_norms"][3:]
+    assert_resumes_bit_for_bit(resumed, straight)
     # The step-3 checkpoint of PP2 x FSDP2 (4 ranks) resumed by one process: DCP reshards.
     single, tensors = record(load_config(overrides=PARITY + [
         "--model.overrides.n_layers", "4", "--training.local_batch_size", "8", "--training.steps", "6", *CKPT,
@@ -99,7 +104,7 @@ def test_exact_resume_pp2_fsdp2_zbv_and_on_another_layout(tmp_path, caplog):
     assert "rng" not in resumed_line and "model" in resumed_line
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
     assert single.grad_norms == pytest.approx(straight["grad_norms"][3:], rel=1e-5)
-    other_layout = compare(tensors, after)
+    other_layout = compare(tensors, after_step_3(straight))
     REPORT.append(f"{'resume PP2xFSDP2 -> 1 process':<34} worst {other_layout.worst_rel:.2e}  {other_layout.worst_key}")
     assert other_layout.ok, other_layout.failures[:10]
 
@@ -136,10 +141,7 @@ def test_exact_resume_under_plain_ddp_and_on_fsdp(resumes, tmp_path):
     on DDP and, resharded by DCP, on FSDP2."""
     test = "test_exact_resume_under_plain_ddp_and_on_fsdp"
     straight = resumes.result(f"{test}-straight", tmp_path)
-    resumed = resumes.result(f"{test}-ddp", tmp_path)
-    assert resumed["losses"] == straight["losses"][3:]
-    same = compare(resumed["tensors"], after_step_3(straight), rtol=0.0, floor=0.0)
-    assert same.ok, same.failures[:10]  # bit for bit
+    assert_resumes_bit_for_bit(resumes.result(f"{test}-ddp", tmp_path), straight)
     resumed = resumes.result(f"{test}-fsdp", tmp_path)
     assert resumed["losses"] == pytest.approx(straight["losses"][3:], rel=1e-5)
     other = compare(resumed["tensors"], after_step_3(straight))
@@ -151,10 +153,7 @@ def test_exact_resume_under_plain_ddp_and_on_fsdp(resumes, tmp_path):
 def test_exact_resume_under_cp2_and_on_one_process(resumes, tmp_path):
     test = "test_exact_resume_under_cp2_and_on_one_process"
     straight = resumes.result(f"{test}-straight", tmp_path)
-    resumed = resumes.result(f"{test}-cp2", tmp_path)
-    assert resumed["losses"] == straight["losses"][3:]
-    same_layout = compare(resumed["tensors"], after_step_3(straight), rtol=0.0, floor=0.0)
-    assert same_layout.ok, same_layout.failures[:10]  # bit for bit
+    assert_resumes_bit_for_bit(resumes.result(f"{test}-cp2", tmp_path), straight)
     single, tensors = record(load_config(overrides=PARITY + RESUMES[test][0] + STEP3 + [
         "--checkpoint.folder", str(straight["dump"] / "checkpoint"), "--job.dump_folder", str(tmp_path / "r")]))
     assert single.losses == pytest.approx(straight["losses"][3:], rel=1e-5)
